@@ -1,0 +1,37 @@
+# labkit: make lab (JupyterLab on the notebooks) | make test (everything, quick mode) | make book (HTML site)
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Runs made by tests and notebooks under `make test` go to a scratch folder, not the repository.
+TEST_RUNS ?= $(or $(TMPDIR),/tmp)/labkit-test-runs
+
+.PHONY: install lab test book clean
+
+install: $(STAMP)
+
+# torch is installed alone and first, pinned, so that pip never resolves an unpinned torch (a multi-GB CUDA
+# build); everything else is then constrained by requirements.lock.
+$(STAMP): pyproject.toml requirements.lock
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade "pip==26.3"
+	$(BIN)/python -m pip install --quiet "torch==2.13.0"
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e .
+	touch $(STAMP)
+
+lab: install
+	$(BIN)/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --no-browser
+
+test: install
+	rm -rf $(TEST_RUNS) && mkdir -p $(TEST_RUNS)
+	LABKIT_QUICK=1 LABKIT_RUNS=$(TEST_RUNS) MPLBACKEND=Agg $(BIN)/python -m pytest tests --nbmake notebooks \
+		--nbmake-timeout=300 -v --durations=15
+
+book: install
+	mkdir -p site
+	LABKIT_RUNS=$(CURDIR)/site/runs $(BIN)/jupyter nbconvert --to html --execute \
+		--ExecutePreprocessor.timeout=1800 --output-dir site notebooks/*.ipynb
+	@echo "open site/*.html"
+
+clean:
+	rm -rf $(VENV) site runs notebooks/runs

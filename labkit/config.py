@@ -1,0 +1,231 @@
+"""The run configuration: one frozen, validated dataclass per training run.
+
+    from labkit import RunConfig
+    cfg = RunConfig(task="tinylm", world_size=2, global_batch=32, steps=40, lr=3e-3)
+    cfg = RunConfig.per_rank(batch_per_rank=16, world_size=2)   # same thing, from the per-rank side
+    cfg2 = cfg.replace(world_size=1)                            # a validated copy
+
+A bad value is rejected when the config is built, before any process starts, with a message that names
+the field, the value and what is allowed (`ConfigError`, a `ValueError`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TASKS = ("tinylm", "digits")
+MODEL_SIZES = ("tiny", "small", "base")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("constant", "linear", "cosine")
+PRECISIONS = ("fp32", "bf16", "fp16")
+BACKENDS = ("auto", "gloo", "nccl", "mpi")
+STRATEGIES = ("ddp",)  # later lessons add "zero", "fsdp", ...
+FAULT_KINDS = ("raise", "segfault", "hang", "nan", "exit")
+
+
+class ConfigError(ValueError):
+    """A RunConfig (or Fault) field holds a value that is not allowed; the message lists every such field."""
+
+
+def quick_mode() -> bool:
+    """True when LABKIT_QUICK=1 (set by `make test`): lessons run the same cells with smaller sizes."""
+    return os.environ.get("LABKIT_QUICK", "") not in ("", "0", "false", "False")
+
+
+def pick(full: Any, quick: Any) -> Any:
+    """Return `quick` in quick mode, else `full`:  steps = pick(full=200, quick=30)."""
+    return quick if quick_mode() else full
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    """A failure to inject on purpose:  Fault(kind="raise", rank=1, step=3).
+
+    kinds: "raise" (a Python exception), "segfault" (SIGSEGV), "hang" (sleep forever), "nan" (a NaN loss),
+    "exit" (os._exit(3), a rank that vanishes without a traceback).
+    """
+
+    kind: str
+    """What happens: one of FAULT_KINDS."""
+    rank: int
+    """The rank it happens on."""
+    step: int
+    """The step (0-based) at whose start it happens."""
+
+    def problems(self, world_size: int, steps: int) -> list[str]:
+        out = []
+        if self.kind not in FAULT_KINDS:
+            out.append(f"Fault.kind = {self.kind!r}: must be one of {', '.join(FAULT_KINDS)}")
+        if not _is_int(self.rank) or not 0 <= self.rank < world_size:
+            out.append(f"Fault.rank = {self.rank!r}: must be a rank in 0..{world_size - 1} (world_size={world_size})")
+        if not _is_int(self.step) or not 0 <= self.step < steps:
+            out.append(f"Fault.step = {self.step!r}: must be a step in 0..{steps - 1} (steps={steps})")
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything that defines one training run. Frozen: derive variants with `cfg.replace(...)`."""
+
+    task: str = "tinylm"
+    """"tinylm": a tiny GPT-2 on synthetic text with a known loss floor; "digits": an MLP on sklearn's 8x8 digits."""
+    model_size: str = "tiny"
+    """"tiny" | "small" | "base": width and depth of the task's model."""
+    world_size: int = 2
+    """Number of ranks (processes). Above the core count, ranks share cores: results are labelled oversubscribed."""
+    global_batch: int = 32
+    """Samples per optimizer step, over all ranks and accumulation steps; must split evenly (see batch_per_rank)."""
+    grad_accum: int = 1
+    """Micro-batches accumulated (under DDP no_sync) before each optimizer step."""
+    steps: int = 20
+    """Optimizer steps."""
+    optimizer: str = "adamw"
+    """"sgd" | "adam" | "adamw"."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    momentum: float = 0.9
+    """SGD momentum (ignored by Adam/AdamW)."""
+    schedule: str = "constant"
+    """Shape of the LR after warmup: "constant" | "linear" | "cosine" (decay to min_lr_ratio * lr at the last step)."""
+    warmup_steps: int = 0
+    """Linear warmup from lr/warmup_steps up to lr over this many steps."""
+    min_lr_ratio: float = 0.0
+    """Floor of the decaying schedules, as a fraction of lr."""
+    clip_norm: float | None = None
+    """Clip the global gradient norm to this value; None records the norm without clipping."""
+    precision: str = "fp32"
+    """"fp32" | "bf16" | "fp16" (autocast; fp16 also uses a GradScaler)."""
+    seed: int = 0
+    """Seeds model init and the data stream; equal on every rank."""
+    backend: str = "auto"
+    """"auto" picks nccl when CUDA is available for every rank, else gloo."""
+    strategy: str = "ddp"
+    """How the model is distributed."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size."""
+    seq_len: int = 32
+    """tinylm: tokens per sample."""
+    vocab_size: int = 64
+    """tinylm: vocabulary of the synthetic language."""
+    branching: int = 4
+    """tinylm: each token is followed by one of this many tokens, uniformly: the loss floor is ln(branching)."""
+    eval_every: int = 0
+    """digits: measure held-out accuracy every this many steps (0: never)."""
+    stop_on_nan: bool = True
+    """Stop the run (RankFailure) at the first non-finite loss."""
+    faults: tuple[Fault, ...] = ()
+    """Failures to inject on purpose, for lessons and tests."""
+    tensorboard: bool = True
+    """Also write TensorBoard events under runs/<id>/tb/rank<r>/."""
+    save_final: bool = True
+    """Save each rank's final parameters to runs/<id>/final/rank<r>.pt."""
+    name: str = ""
+    """A label for plots and the run directory; empty: derived from the config."""
+
+    def __post_init__(self) -> None:
+        # JSON and notebooks hand us lists of dicts; keep the dataclass hashable and typed.
+        faults = tuple(f if isinstance(f, Fault) else Fault(**f) for f in self.faults)
+        object.__setattr__(self, "faults", faults)
+        self.validate()
+
+    @classmethod
+    def per_rank(cls, *, batch_per_rank: int, **fields: Any) -> "RunConfig":
+        """Build from the per-rank side:  RunConfig.per_rank(batch_per_rank=16, world_size=4, grad_accum=2)."""
+        world = fields.get("world_size", cls.world_size)
+        accum = fields.get("grad_accum", cls.grad_accum)
+        return cls(global_batch=batch_per_rank * world * accum, **fields)
+
+    @property
+    def batch_per_rank(self) -> int:
+        """Samples in one micro-batch on one rank: global_batch / (world_size * grad_accum)."""
+        return self.global_batch // (self.world_size * self.grad_accum)
+
+    @property
+    def label(self) -> str:
+        return self.name or f"{self.task} w{self.world_size} b{self.batch_per_rank}x{self.grad_accum}"
+
+    def replace(self, **changes: Any) -> "RunConfig":
+        """A validated copy with some fields changed:  cfg.replace(world_size=1)."""
+        return dataclasses.replace(self, **changes)
+
+    def problems(self) -> list[str]:
+        """Every field that holds a value that is not allowed, as a sentence; empty when the config is valid."""
+        out: list[str] = []
+        choices = {"task": TASKS, "model_size": MODEL_SIZES, "optimizer": OPTIMIZERS, "schedule": SCHEDULES,
+                   "precision": PRECISIONS, "backend": BACKENDS, "strategy": STRATEGIES}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                out.append(f"RunConfig.{name} = {getattr(self, name)!r}: must be one of {', '.join(allowed)}")
+        for name, low in [("world_size", 1), ("global_batch", 1), ("grad_accum", 1), ("steps", 1),
+                          ("seq_len", 2), ("vocab_size", 2), ("branching", 1), ("warmup_steps", 0),
+                          ("eval_every", 0), ("seed", 0)]:
+            value = getattr(self, name)
+            if not _is_int(value) or value < low:
+                out.append(f"RunConfig.{name} = {value!r}: must be an integer >= {low}")
+        for name, low, inclusive in [("lr", 0.0, False), ("weight_decay", 0.0, True), ("momentum", 0.0, True),
+                                     ("min_lr_ratio", 0.0, True), ("bucket_cap_mb", 0.0, False)]:
+            value = getattr(self, name)
+            ok = _is_number(value) and math.isfinite(value) and (value >= low if inclusive else value > low)
+            if not ok:
+                out.append(f"RunConfig.{name} = {value!r}: must be a finite number {'>=' if inclusive else '>'} {low}")
+        if _is_number(self.min_lr_ratio) and self.min_lr_ratio > 1:
+            out.append(f"RunConfig.min_lr_ratio = {self.min_lr_ratio!r}: must be at most 1 (a fraction of lr)")
+        if self.clip_norm is not None and not (_is_number(self.clip_norm) and math.isfinite(self.clip_norm)
+                                               and self.clip_norm > 0):
+            out.append(f"RunConfig.clip_norm = {self.clip_norm!r}: must be None (no clipping) or a finite number > 0")
+        if _is_int(self.branching) and _is_int(self.vocab_size) and self.branching > self.vocab_size:
+            out.append(f"RunConfig.branching = {self.branching}: must be at most vocab_size = {self.vocab_size}")
+        if not out:  # divisibility only makes sense once the sizes themselves are valid
+            out += self._batch_problems()
+            for fault in self.faults:
+                out += fault.problems(self.world_size, self.steps)
+        return out
+
+    def _batch_problems(self) -> list[str]:
+        split = self.world_size * self.grad_accum
+        if self.global_batch % split:
+            lower = max(split, self.global_batch // split * split)
+            return [f"RunConfig.global_batch = {self.global_batch}: does not split evenly over world_size="
+                    f"{self.world_size} x grad_accum={self.grad_accum} = {split}; use a multiple of {split}, "
+                    f"e.g. {lower} or {lower + split}"]
+        return []
+
+    def validate(self) -> "RunConfig":
+        """Raise ConfigError listing every bad field; return self when all are valid."""
+        problems = self.problems()
+        if problems:
+            raise ConfigError("invalid RunConfig:\n  " + "\n  ".join(problems))
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown RunConfig field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**data)
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> "RunConfig":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+

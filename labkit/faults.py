@@ -1,0 +1,44 @@
+"""Failures on purpose: what RunConfig(faults=(Fault(kind=..., rank=..., step=...),)) does on that rank and step.
+
+    cfg = RunConfig(world_size=2, steps=10, faults=(Fault(kind="segfault", rank=1, step=3),))
+    labkit.launch(cfg)   # -> RankFailure: rank 1 was killed by a signal at step 3: SIGSEGV
+
+Lessons use them to show what each failure looks like from the outside; tests use them to check the launcher.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Iterable
+
+from .config import Fault
+
+
+class InjectedFault(RuntimeError):
+    """The exception a Fault(kind="raise") throws."""
+
+
+def _matching(faults: Iterable[Fault], kind: str, rank: int, step: int) -> bool:
+    return any(f.kind == kind and f.rank == rank and f.step == step for f in faults)
+
+
+def inject(faults: Iterable[Fault], rank: int, step: int) -> None:
+    """Carry out any raise / segfault / hang / exit fault scheduled for this rank at the start of this step."""
+    faults = tuple(faults)
+    if not faults:
+        return
+    if _matching(faults, "raise", rank, step):
+        raise InjectedFault(f"injected failure on rank {rank} at step {step}")
+    if _matching(faults, "segfault", rank, step):
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if _matching(faults, "exit", rank, step):
+        os._exit(3)  # vanish without a traceback, as an OOM-killed or crashed process would
+    if _matching(faults, "hang", rank, step):
+        while True:  # a rank stuck in its own code; the others will wait for it in the next collective
+            time.sleep(3600)
+
+
+def nan_factor(faults: Iterable[Fault], rank: int, step: int) -> float:
+    """NaN for a Fault(kind="nan") at this rank and step (the loss is multiplied by it), else 1.0."""
+    return float("nan") if _matching(faults, "nan", rank, step) else 1.0

@@ -1,0 +1,326 @@
+"""Start ranks from a notebook (or any Python process), watch them, stop them, and say what went wrong.
+
+    import labkit
+    run = labkit.launch(labkit.RunConfig(world_size=2, steps=20))      # labkit's instrumented DDP loop
+    run = labkit.launch(my_worker, world_size=2, timeout=10)           # your function, fn(ctx), from a cell
+
+Returns a `Run` once every rank has finished. If a rank raises, dies from a signal, exits early, or makes no
+progress (no ctx.record / ctx.heartbeat) for `timeout` seconds, every rank is stopped and `RankFailure` is raised
+naming the rank, its step and its traceback (or signal, or stack at the time of the hang). No process is left.
+
+Fork vs spawn: forking starts a rank in ~0.1 s but is unsafe once CUDA is initialised in this process; spawn is
+safe but re-imports torch in each rank (seconds). start_method="auto" forks unless CUDA is initialised, and then
+spawns, saying which call initialised CUDA.
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import re
+import secrets
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .config import RunConfig
+from .rank import DONE, FINISHING, RUNNING, Heartbeats, RankSpec, rank_main, spawn_main
+from .records import Run, write_meta
+
+POLL_S = 0.01          # how often the watchdog looks at the ranks
+GRACE_S = 1.0          # after SIGTERM, how long a rank gets before SIGKILL
+STACK_DUMP_WAIT_S = 0.5  # after asking hung ranks for their stacks
+
+
+class LaunchError(RuntimeError):
+    """The launch could not start (bad arguments, or fork asked for while CUDA is initialised)."""
+
+
+@dataclass
+class RankStatus:
+    """How one rank ended, as the watchdog saw it."""
+
+    rank: int
+    state: str                 # "ok" | "raised" | "signal" | "exited" | "hung" | "waiting" | "stopped"
+    step: int                  # the step it was on
+    recorded: int              # the last step it recorded
+    detail: str = ""           # exception type and message, signal name, exit code, or where it hung
+    traceback: str = ""        # Python traceback, faulthandler dump, or stack at the time of the hang
+    time: float = field(default_factory=time.time)
+
+
+class RankFailure(RuntimeError):
+    """A rank failed; `.rank`, `.step`, `.reason`, `.traceback` say which, where and how; `.statuses` has all ranks."""
+
+    def __init__(self, cause: RankStatus, statuses: list[RankStatus], run_dir: Path):
+        self.rank, self.step, self.reason = cause.rank, cause.step, cause.state
+        self.detail, self.traceback, self.statuses, self.run_dir = cause.detail, cause.traceback, statuses, run_dir
+        self.last_recorded_step = cause.recorded
+        lines = [f"rank {cause.rank} {_verb(cause)} at step {cause.step}: {cause.detail}"]
+        lines += [f"  rank {s.rank}: {s.state} at step {s.step} (last recorded step {s.recorded})"
+                  + (f": {_first_line(s.detail)}" if s.detail and s is not cause else "") for s in statuses]
+        if cause.traceback:
+            lines += [f"--- rank {cause.rank} traceback ---", cause.traceback.rstrip()]
+        lines.append(f"records and logs: {run_dir}")
+        super().__init__("\n".join(lines))
+
+    @property
+    def run(self) -> Run:
+        """What the ranks recorded before the failure."""
+        return Run(self.run_dir)
+
+
+def _first_line(text: str, limit: int = 160) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def _verb(status: RankStatus) -> str:
+    return {"raised": "raised", "signal": "was killed by a signal", "exited": "exited early",
+            "hung": "made no progress"}.get(status.state, status.state)
+
+
+def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = None, config: RunConfig | None = None,
+           timeout: float = 60.0, startup_timeout: float = 60.0, start_method: str = "auto", name: str | None = None,
+           runs_root: str | Path | None = None, echo: bool = True, progress: bool = True,
+           live: bool = False, compare_with: tuple[Run, ...] | list[Run] = ()) -> Run:
+    """Run `target` on `world_size` ranks and return the Run; raise RankFailure if any rank fails.
+
+    target: a RunConfig (runs labkit.train), or a function fn(ctx) (labkit.train, or one from a notebook cell).
+    timeout: seconds a rank may go without recording a step or calling ctx.heartbeat() before it is declared hung.
+    startup_timeout: seconds a rank may take to start and join the process group (spawn re-imports torch: seconds).
+    echo: print each rank's output, prefixed with its rank. progress/live: a progress line / live figure in Jupyter.
+    """
+    called_at = time.time()
+    fn, config = _resolve_target(target, config)
+    if world_size is None and config is not None:
+        world_size = config.world_size
+    _check_arguments(world_size, config, timeout, start_method)
+    method = choose_start_method(start_method)
+    run_dir = _new_run_dir(Path(runs_root or os.environ.get("LABKIT_RUNS", "runs")), name or _label(fn, config))
+    if config is not None:
+        config.save(run_dir / "config.json")
+    _warm_imports(config, method)
+    mpctx = mp.get_context(method)
+    beats, port = Heartbeats.create(mpctx, world_size), mpctx.RawValue("i", 0)
+    write_meta(run_dir, launched_at=called_at, name=name or _label(fn, config), world_size=world_size,
+               start_method=method,
+               function=getattr(fn, "__qualname__", repr(fn)), timeout_s=timeout, pid=os.getpid())
+    procs = _start(fn, config, world_size, run_dir, method, mpctx, beats, port, timeout)
+    from .live import LiveView
+    view = LiveView(run_dir, world_size, config.steps if config else None, echo=echo, progress=progress,
+                    live=live, compare_with=tuple(compare_with))
+    try:
+        failure = _watch(procs, beats, run_dir, timeout, max(timeout, startup_timeout), view)
+    finally:
+        _stop(procs)
+        view.close()
+    if failure is not None:
+        raise failure
+    return Run(run_dir)
+
+
+def _resolve_target(target: Any, config: RunConfig | None) -> tuple[Callable[..., Any], RunConfig | None]:
+    if isinstance(target, RunConfig):
+        from .loop import train
+        return train, target
+    if not callable(target):
+        raise LaunchError(f"launch(target={target!r}): pass a RunConfig or a function fn(ctx)")
+    return target, config
+
+
+def _check_arguments(world_size: int | None, config: RunConfig | None, timeout: float, start_method: str) -> None:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise LaunchError(f"world_size = {world_size!r}: pass an integer >= 1 (or a RunConfig that has one)")
+    if config is not None:
+        config.validate()
+        if world_size != config.world_size:
+            raise LaunchError(f"world_size = {world_size} but config.world_size = {config.world_size}; "
+                              "pass one of them, or make them agree")
+    if not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise LaunchError(f"timeout = {timeout!r}: pass the seconds a rank may go without progress, > 0")
+    if start_method not in ("auto", "fork", "spawn"):
+        raise LaunchError(f"start_method = {start_method!r}: must be auto, fork or spawn")
+
+
+def choose_start_method(requested: str) -> str:
+    """fork when it is safe (CUDA not initialised here), else spawn; an explicit fork with CUDA initialised fails."""
+    culprit = cuda_init_culprit()
+    if culprit is None:
+        return "fork" if requested == "auto" else requested
+    if requested == "fork":
+        raise LaunchError("cannot fork ranks: CUDA is already initialised in this process, and a forked child "
+                          f"cannot use it.\n{culprit}\nUse start_method='spawn' (or 'auto'), or restart the kernel "
+                          "and launch before anything touches CUDA.")
+    if requested == "auto":
+        print(f"labkit: CUDA is initialised in this process, so ranks are spawned (slower to start).\n{culprit}")
+    return "spawn"
+
+
+# --- which call initialised CUDA ----------------------------------------------------------------------------
+
+_cuda_init_stack: list[str] | None = None
+_cuda_initialised_before_labkit = torch.cuda.is_initialized()
+
+
+def _install_cuda_init_tracker() -> None:
+    """Wrap torch.cuda._lazy_init (every path that initialises CUDA goes through it) to remember the caller."""
+    original = torch.cuda._lazy_init
+    if getattr(original, "_labkit_tracker", False):
+        return
+
+    def tracking_lazy_init() -> None:
+        global _cuda_init_stack
+        if _cuda_init_stack is None and not torch.cuda.is_initialized():
+            _cuda_init_stack = traceback.format_stack()[:-1]
+        original()
+
+    tracking_lazy_init._labkit_tracker = True  # type: ignore[attr-defined]
+    torch.cuda._lazy_init = tracking_lazy_init
+
+
+def cuda_is_initialised() -> bool:
+    return torch.cuda.is_initialized()
+
+
+def cuda_init_culprit() -> str | None:
+    """None if CUDA is not initialised here; else a sentence naming the call that initialised it."""
+    if not cuda_is_initialised():
+        return None
+    if _cuda_initialised_before_labkit or _cuda_init_stack is None:
+        return ("CUDA was initialised before labkit was imported; import labkit first (top of the notebook) "
+                "and it will name the call that does it.")
+    outside_torch = [f for f in _cuda_init_stack if "/torch/" not in f and "/labkit/" not in f]
+    where = (outside_torch or _cuda_init_stack)[-3:]
+    return "CUDA was initialised by this call:\n" + "".join(where).rstrip()
+
+
+_install_cuda_init_tracker()
+
+
+# --- starting ------------------------------------------------------------------------------------------------
+
+_warmed: set[str] = set()
+
+
+def _warm_imports(config: RunConfig | None, method: str) -> None:
+    """Import once, here, what every forked rank would otherwise import for itself (DDP pulls in torch._dynamo)."""
+    if method != "fork":
+        return
+    wanted = ["torch._dynamo", "torch.nn.parallel"] + (["torch.utils.tensorboard"] if config and config.tensorboard
+                                                         else [])
+    for module in wanted:
+        if module not in _warmed:
+            __import__(module)
+            _warmed.add(module)
+    if config is not None:
+        from .tasks import preload
+        preload(config)
+
+
+def _start(fn: Callable[..., Any], config: RunConfig | None, world_size: int, run_dir: Path, method: str,
+           mpctx: Any, beats: Heartbeats, port: Any, timeout: float) -> list[Any]:
+    # The process-group timeout is a backstop, longer than the watchdog's, so the watchdog reports first.
+    specs = [RankSpec(rank=r, world_size=world_size, run_dir=run_dir, backend=config.backend if config else "auto",
+                      pg_timeout_s=timeout + 60, tensorboard=bool(config and config.tensorboard), config=config)
+             for r in range(world_size)]
+    if method == "fork":
+        procs = [mpctx.Process(target=rank_main, args=(fn, s, beats, port), daemon=False) for s in specs]
+        for p in procs:
+            p.start()
+        return procs
+    import cloudpickle
+    payload = cloudpickle.dumps(fn)
+    procs = [mpctx.Process(target=spawn_main, args=(payload, s, beats, port), daemon=False) for s in specs]
+    with _main_module_hidden():
+        for p in procs:
+            p.start()
+    return procs
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Spawned children re-run the parent's __main__ script unless told it has none. Ours need nothing from it
+    (the function travels by value), and re-running a script without an `if __name__ == "__main__"` guard would
+    launch again from inside each rank."""
+    main = sys.modules["__main__"]
+    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
+    main.__dict__["__spec__"] = None
+    main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
+        if "__spec__" not in saved:
+            main.__dict__.pop("__spec__", None)
+
+
+def _new_run_dir(root: Path, label: str) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", label).strip("-")[:60] or "run"
+    path = root / f"{time.strftime('%Y%m%d-%H%M%S')}-{slug}-{secrets.token_hex(2)}"
+    path.mkdir(parents=True)
+    return path
+
+
+def _label(fn: Callable[..., Any], config: RunConfig | None) -> str:
+    return config.label if config is not None else getattr(fn, "__name__", "fn")
+
+
+# --- watching ------------------------------------------------------------------------------------------------
+
+def _watch(procs: list[Any], beats: Heartbeats, run_dir: Path, timeout: float, startup_timeout: float,
+           view: Any) -> RankFailure | None:
+    """Poll until every rank has exited cleanly (None) or one has failed (the RankFailure to raise)."""
+    from .diagnose import classify_exits, diagnose_hang
+    while True:
+        view.update(beats)
+        codes = [p.exitcode for p in procs]
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            time.sleep(0.05)  # let ranks that fail as a consequence finish writing their error files
+            return classify_exits(procs, beats, run_dir, failed)
+        if all(c == 0 for c in codes):
+            return None
+        stale = [r for r, c in enumerate(codes) if c is None and _is_stale(beats, r, timeout, startup_timeout)]
+        if stale:
+            view.mute()  # the stack dumps that follow go into the failure, not the notebook's output
+            return diagnose_hang(procs, beats, run_dir, timeout)
+        time.sleep(POLL_S)
+
+
+def _is_stale(beats: Heartbeats, rank: int, timeout: float, startup_timeout: float) -> bool:
+    beat, _, state, _ = beats.read(rank)
+    if state in (FINISHING, DONE):
+        return False  # finished its work; waiting for the others is not its fault
+    return time.time() - beat > (timeout if state >= RUNNING else startup_timeout)
+
+
+def _stop(procs: list[Any]) -> None:
+    """Stop every rank and anything it started (each rank leads its own process group); reap them all."""
+    alive = [p for p in procs if p.exitcode is None]
+    _signal_groups(alive, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+    _signal_groups(procs, signal.SIGKILL)  # also grandchildren of ranks that exited
+    for p in procs:
+        p.join(5)
+
+
+def _signal_groups(procs: list[Any], sig: int) -> None:
+    for p in procs:
+        if p.pid is None:
+            continue
+        for kill in (os.killpg, os.kill):  # os.kill too: a rank may not have made its own group yet
+            if kill is os.kill and p.exitcode is not None:
+                continue  # already reaped: its pid may belong to someone else now
+            try:
+                kill(p.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass

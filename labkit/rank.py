@@ -1,0 +1,238 @@
+"""Inside one rank: the context a launched function receives, and the set-up and tear-down around it.
+
+A launched function takes one argument, the RankContext:
+
+    def worker(ctx):                       # may be defined in a notebook cell
+        model = DDP(torch.nn.Linear(4, 1))
+        for step in range(10):
+            ...
+            ctx.record(step, loss=loss.item())   # one JSON line in runs/<id>/rank<r>.jsonl, and a heartbeat
+        return model.weight.sum().item()         # comes back as run.result(rank)
+
+    labkit.launch(worker, world_size=2)
+
+The launcher's watchdog counts a rank as making progress while it calls `ctx.record` or `ctx.heartbeat`;
+a long stretch without either (longer than launch's `timeout`) is reported as a hang.
+"""
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+# Rank states in the shared heartbeat table. STARTING: created, maybe still importing (spawn);
+# INITIALISING: ours from here on (stack dumps work), joining the process group; RUNNING: in the function.
+STARTING, INITIALISING, RUNNING, FINISHING, DONE = 0.0, 0.5, 1.0, 2.0, 3.0
+_FIELDS = 4  # per rank: last beat (unix time), current step, state, last recorded step
+
+
+class Heartbeats:
+    """A small table in shared memory, written by the ranks and read by the launcher's watchdog."""
+
+    def __init__(self, array: Any, world_size: int):
+        self.array, self.world_size = array, world_size
+
+    @classmethod
+    def create(cls, mp_context: Any, world_size: int) -> "Heartbeats":
+        array = mp_context.RawArray("d", world_size * _FIELDS)
+        for rank in range(world_size):
+            array[rank * _FIELDS:(rank + 1) * _FIELDS] = [time.time(), -1.0, STARTING, -1.0]
+        return cls(array, world_size)
+
+    def beat(self, rank: int, step: int | None = None, state: float | None = None,
+             recorded: int | None = None) -> None:
+        base = rank * _FIELDS
+        self.array[base] = time.time()
+        if step is not None:
+            self.array[base + 1] = step
+        if state is not None:
+            self.array[base + 2] = state
+        if recorded is not None:
+            self.array[base + 3] = recorded
+
+    def read(self, rank: int) -> tuple[float, int, float, int]:
+        beat, step, state, recorded = self.array[rank * _FIELDS:(rank + 1) * _FIELDS]
+        return beat, int(step), state, int(recorded)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What the launcher tells each rank before it starts."""
+
+    rank: int
+    world_size: int
+    run_dir: Path
+    backend: str = "auto"
+    pg_timeout_s: float = 120.0
+    tensorboard: bool = False
+    config: Any = None  # a RunConfig, or None for a plain function
+
+
+@dataclass
+class RankContext:
+    """What a launched function gets: who it is, where to write, and how to report progress."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+    run_dir: Path
+    config: Any
+    recorder: Any
+    heartbeats: Heartbeats | None = None
+    step: int = -1
+    """The step this rank is working on (set by heartbeat/record); failures are reported against it."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def heartbeat(self, step: int | None = None) -> None:
+        """Tell the watchdog this rank is alive (and, optionally, which step it has started)."""
+        if step is not None:
+            self.step = step
+        if self.heartbeats is not None:
+            self.heartbeats.beat(self.rank, step=step)
+
+    def record(self, step: int, **fields: Any) -> None:
+        """Write one record for `step` (rank and wall time are added) and beat the heartbeat."""
+        self.step = step
+        self.recorder.write({"step": step, "time": time.time(), **fields})
+        if self.heartbeats is not None:
+            self.heartbeats.beat(self.rank, step=step, recorded=step)
+
+
+def resolve_backend(requested: str, world_size: int) -> str:
+    """"auto" -> nccl when every rank can have its own CUDA device, else gloo; explicit names pass through."""
+    if requested != "auto":
+        return requested
+    import torch.distributed as dist
+    cuda_ok = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+    return "nccl" if cuda_ok and dist.is_nccl_available() else "gloo"
+
+
+def rank_main(fn: Callable[[RankContext], Any], spec: RankSpec, beats: Heartbeats, port: Any) -> None:
+    """Entry point of a launched rank (fork): set up, run fn(ctx), record any failure, and exit."""
+    _detach_from_parent()
+    torch.set_num_threads(1)  # one thread per rank; also avoids the fork-after-threads hang
+    _redirect_output(spec.run_dir / f"rank{spec.rank}.log")
+    faulthandler.enable(file=sys.stderr, all_threads=True)  # a segfault leaves a Python traceback in the log
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # the watchdog asks for stacks
+    beats.beat(spec.rank, state=INITIALISING)
+    ctx, code = None, 0
+    try:
+        store, ctx = _init(spec, beats, port)
+        result = fn(ctx)
+        if result is not None:
+            torch.save(result, spec.run_dir / f"result{spec.rank}.pt")
+        beats.beat(spec.rank, state=FINISHING)
+        _finish(store, spec)
+        beats.beat(spec.rank, state=DONE)
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
+        _write_error(spec, ctx.step if ctx else -1, exc)
+        code = 1
+    finally:
+        if ctx is not None:
+            ctx.recorder.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)  # skip the parent's atexit handlers (a forked Jupyter kernel has many)
+
+
+def spawn_main(payload: bytes, spec: RankSpec, beats: Heartbeats, port: Any) -> None:
+    """Entry point under spawn: the function travels pickled by value, so notebook-cell functions work."""
+    import cloudpickle
+    rank_main(cloudpickle.loads(payload), spec, beats, port)
+
+
+def _init(spec: RankSpec, beats: Heartbeats, port: Any) -> tuple[Any, RankContext]:
+    import torch.distributed as dist
+    from .records import RankRecorder
+    backend = resolve_backend(spec.backend, spec.world_size)
+    timeout = timedelta(seconds=spec.pg_timeout_s)
+    store = _rendezvous(spec, port, timeout)
+    _set_rank_env(spec, port.value)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", spec.rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+    recorder = RankRecorder(spec.run_dir, spec.rank, tensorboard=spec.tensorboard)
+    ctx = RankContext(rank=spec.rank, world_size=spec.world_size, local_rank=spec.rank, backend=backend,
+                      device=device, run_dir=spec.run_dir, config=spec.config, recorder=recorder, heartbeats=beats)
+    beats.beat(spec.rank, state=RUNNING)
+    return store, ctx
+
+
+def _rendezvous(spec: RankSpec, port: Any, timeout: timedelta) -> Any:
+    """Rank 0 hosts a TCPStore on a port the OS picks (no two launches can collide); the others join it."""
+    import torch.distributed as dist
+    if spec.rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, spec.world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+        port.value = store.port
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while port.value == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {spec.rank}: rank 0 did not open the rendezvous store in {timeout}")
+        time.sleep(0.001)
+    return dist.TCPStore("127.0.0.1", port.value, spec.world_size, is_master=False, timeout=timeout)
+
+
+def _finish(store: Any, spec: RankSpec) -> None:
+    """Count finished ranks in the store; rank 0 hosts it, so it leaves last. No collective: ranks that
+    finish early (uneven inputs) must not enter a barrier that a busy rank would mistake for its own op."""
+    import torch.distributed as dist
+    store.add("labkit/finished", 1)
+    if spec.rank == 0:
+        while store.add("labkit/finished", 0) < spec.world_size:
+            time.sleep(0.002)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _set_rank_env(spec: RankSpec, port: int) -> None:
+    # The variables torchrun would set, so user code that reads them behaves the same under both launchers.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(spec.rank),
+                      WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(spec.rank),
+                      LOCAL_WORLD_SIZE=str(spec.world_size), OMP_NUM_THREADS="1")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def _detach_from_parent() -> None:
+    """Own process group (so the launcher can kill this rank and anything it starts), and die with the parent."""
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher still kills ranks on its way out
+
+
+def _redirect_output(path: Path) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False, errors="replace")
+    sys.stderr = open(2, "w", buffering=1, closefd=False, errors="replace")
+
+
+def _write_error(spec: RankSpec, step: int, exc: BaseException) -> None:
+    text = "".join(traceback.format_exception(exc))
+    sys.stderr.write(text)
+    error = {"rank": spec.rank, "step": step, "type": type(exc).__name__, "message": str(exc),
+             "traceback": text, "time": time.time()}
+    (spec.run_dir / f"rank{spec.rank}.error.json").write_text(json.dumps(error, indent=2))

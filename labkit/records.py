@@ -1,0 +1,182 @@
+"""Per-rank structured records, and reading a run back into pandas.
+
+On disk, one directory per run (the same layout under labkit's launcher and under torchrun):
+
+    runs/<run-id>/config.json          the RunConfig (absent for a plain function launch)
+    runs/<run-id>/meta.json            launch time, world size, start method, ...
+    runs/<run-id>/rank<r>.jsonl        one JSON object per recorded step, flushed line by line
+    runs/<run-id>/rank<r>.log          the rank's stdout and stderr (and faulthandler dumps)
+    runs/<run-id>/rank<r>.error.json   written when the rank raised: step, exception, traceback
+    runs/<run-id>/tb/rank<r>/          TensorBoard events
+    runs/<run-id>/final/rank<r>.pt     final parameters (RunConfig.save_final)
+
+Reading:
+    run = labkit.load_run("runs/tinylm-w2-...")
+    run.df            # every record of every rank, sorted by step then rank
+    run.steps()       # one row per step: mean loss, loss spread over ranks, lr, global throughput
+    run.summary()     # median throughput, final loss, time to first step
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+
+class RankRecorder:
+    """Writes one rank's records: JSON lines (the source of truth) plus, optionally, TensorBoard scalars.
+
+        rec = RankRecorder(run_dir, rank=0, tensorboard=True)
+        rec.write({"step": 0, "loss": 2.3})
+        rec.close()
+    """
+
+    def __init__(self, run_dir: Path, rank: int, tensorboard: bool = False):
+        self.rank = rank
+        # Line-buffered: each record reaches the file when written, so a crashed rank loses nothing.
+        self._file = open(Path(run_dir) / f"rank{rank}.jsonl", "a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tb" / f"rank{rank}"), flush_secs=5)
+
+    def write(self, record: dict[str, Any]) -> None:
+        record = {"rank": self.rank, **record}
+        self._file.write(json.dumps(record, allow_nan=True) + "\n")
+        if self._tb is not None:
+            step = record.get("step", 0)
+            for key, value in record.items():
+                if key not in ("rank", "step", "time") and isinstance(value, (int, float)) and value is not None:
+                    self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Records of one file; a last line cut short by a crash is skipped, not an error."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+class Run:
+    """A finished (or still running) run, read from its directory:  Run("runs/<run-id>")."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"no run directory at {self.path}")
+        self.meta: dict[str, Any] = _read_json(self.path / "meta.json")
+        self._df: pd.DataFrame | None = None
+
+    def __repr__(self) -> str:
+        return f"Run({self.name!r}, world_size={self.world_size}, records={len(self.df)})"
+
+    @property
+    def config(self):
+        from .config import RunConfig
+        path = self.path / "config.json"
+        return RunConfig.load(path) if path.exists() else None
+
+    @property
+    def name(self) -> str:
+        return self.meta.get("name") or self.path.name
+
+    @property
+    def world_size(self) -> int:
+        return int(self.meta.get("world_size") or len(list(self.path.glob("rank*.jsonl"))))
+
+    @property
+    def df(self) -> pd.DataFrame:
+        """All records of all ranks, one row per (step, rank)."""
+        if self._df is None:
+            self._df = self.read_records()
+        return self._df
+
+    def read_records(self) -> pd.DataFrame:
+        """Read the records now (also while the run is going; `df` caches this)."""
+        rows = [r for f in sorted(self.path.glob("rank*.jsonl")) for r in read_jsonl(f)]
+        if not rows:
+            return pd.DataFrame(columns=["rank", "step"])
+        return pd.DataFrame(rows).sort_values(["step", "rank"], kind="stable").reset_index(drop=True)
+
+    def steps(self, df: pd.DataFrame | None = None) -> pd.DataFrame:
+        """One row per step: loss (mean over ranks), loss_min/max over ranks, lr, global samples/s and tokens/s."""
+        return per_step(self.df if df is None else df)
+
+    def summary(self) -> dict[str, float]:
+        """Headline figures: median global throughput (steps after the first), final loss, time to first step."""
+        steps = self.steps()
+        launched = self.meta.get("launched_at")
+        first = self.df["time"].min() if "time" in self.df and len(self.df) else math.nan
+        later = steps[steps["step"] > steps["step"].min()] if len(steps) > 1 else steps
+        return {
+            "steps": int(len(steps)),
+            "median_samples_per_s": float(later["samples_per_s"].median()) if len(later) else math.nan,
+            "median_tokens_per_s": float(later["tokens_per_s"].median()) if "tokens_per_s" in later else math.nan,
+            "final_loss": float(steps["loss"].iloc[-1]) if len(steps) else math.nan,
+            "time_to_first_step_s": float(first - launched) if launched else math.nan,
+        }
+
+    def final_state(self, rank: int = 0) -> dict[str, Any]:
+        """The parameters rank `rank` ended with (RunConfig.save_final)."""
+        import torch
+        return torch.load(self.path / "final" / f"rank{rank}.pt", weights_only=True)
+
+    def result(self, rank: int = 0) -> Any:
+        """What the launched function returned on `rank` (None if it returned nothing)."""
+        import torch
+        path = self.path / f"result{rank}.pt"
+        return torch.load(path, weights_only=False) if path.exists() else None
+
+    def log(self, rank: int = 0) -> str:
+        """Everything rank `rank` printed."""
+        path = self.path / f"rank{rank}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+def per_step(df: pd.DataFrame) -> pd.DataFrame:
+    """Collapse per-rank records to one row per step (see Run.steps)."""
+    if df.empty or "loss" not in df:
+        return pd.DataFrame(columns=["step", "loss", "loss_min", "loss_max", "lr", "samples_per_s", "tokens_per_s"])
+    g = df.groupby("step", sort=True)
+    out = pd.DataFrame({"loss": g["loss_mean"].mean() if "loss_mean" in df else g["loss"].mean(),
+                        "loss_min": g["loss"].min(), "loss_max": g["loss"].max()})
+    if "lr" in df:
+        out["lr"] = g["lr"].first()
+    if "t_step" in df and "samples" in df:
+        # A step ends when its slowest rank ends: global throughput = all ranks' samples / the slowest rank's time.
+        slowest = g["t_step"].max()
+        out["samples_per_s"] = g["samples"].sum() / slowest
+        out["samples_seen"] = g["samples"].sum().cumsum()
+        if "tokens" in df:
+            out["tokens_per_s"] = g["tokens"].sum() / slowest
+    for extra in ("grad_norm", "accuracy", "eval_accuracy", "rss_mb"):
+        if extra in df:
+            out[extra] = g[extra].mean()
+    return out.reset_index()
+
+
+def load_run(path: str | Path) -> Run:
+    """Open a run directory:  run = labkit.load_run("runs/<run-id>")."""
+    return Run(path)
+
+
+def write_meta(run_dir: Path, **meta: Any) -> None:
+    meta.setdefault("launched_at", time.time())
+    (Path(run_dir) / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}

@@ -1,0 +1,171 @@
+"""Built-in tasks: a model, a deterministic data stream, and a loss.
+
+    task = make_task(cfg)                  # cfg.task: "tinylm" or "digits"
+    model = task.build_model()
+    inputs, targets = task.batch(step=0, micro=0, rank=1)   # this rank's slice of the global batch
+    loss, extras = task.loss(model, inputs, targets)
+
+The global batch of a step depends only on (seed, step), never on the world size: rank r's micro-batch m is rows
+[(m * world + r) * B, ... + B) of it. So 2 ranks x batch B see exactly the samples 1 rank x batch 2B sees, which is
+what makes DDP comparable to a single process.
+
+tinylm: a tiny GPT-2 (transformers, random init, offline) on a synthetic language where every token is followed by
+one of `branching` tokens, uniformly at random. No model can beat ln(branching) nats per token: `loss_floor`.
+digits: an MLP on scikit-learn's bundled 8x8 digits (1437 train / 360 held-out images), with accuracy.
+"""
+from __future__ import annotations
+
+import math
+import os
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub: the models are built from a config
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+LANGUAGE_SEED = 20261130  # the synthetic language is fixed; RunConfig.seed only changes which sentences are drawn
+LM_SIZES = {"tiny": (64, 2, 4), "small": (128, 4, 4), "base": (256, 6, 8)}  # width, layers, heads
+MLP_WIDTH = {"tiny": 64, "small": 128, "base": 256}
+
+
+def _generator(seed: int, step: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+class Task:
+    """Shared slicing of the global batch; subclasses provide the data, the model and the loss."""
+
+    loss_floor: float | None = None
+    tokens_per_sample: int = 0
+
+    def __init__(self, config: Any, world_size: int | None = None):
+        self.config = config
+        self.world_size = world_size or config.world_size
+        self.batch_size = config.global_batch // (self.world_size * config.grad_accum)
+
+    def rows(self, micro: int, rank: int) -> slice:
+        start = (micro * self.world_size + rank) * self.batch_size
+        return slice(start, start + self.batch_size)
+
+    def build_model(self) -> nn.Module:
+        raise NotImplementedError
+
+    def batch(self, step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        raise NotImplementedError
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        return {}
+
+
+class TinyLM(Task):
+    def __init__(self, config: Any, world_size: int | None = None):
+        super().__init__(config, world_size)
+        self.vocab, self.k, self.seq_len = config.vocab_size, config.branching, config.seq_len
+        self.successors = successor_table(self.vocab, self.k)
+        self.loss_floor = math.log(self.k)
+        self.tokens_per_sample = self.seq_len
+
+    def build_model(self) -> nn.Module:
+        from transformers import GPT2Config, GPT2LMHeadModel
+        width, layers, heads = LM_SIZES[self.config.model_size]
+        cfg = GPT2Config(vocab_size=self.vocab, n_positions=self.seq_len, n_embd=width, n_layer=layers,
+                         n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                         bos_token_id=0, eos_token_id=0)  # no dropout: runs are comparable step for step
+        return GPT2LMHeadModel(cfg)
+
+    def batch(self, step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = sample_sentences(self.successors, self.config.global_batch, self.seq_len + 1,
+                                  _generator(self.config.seed, step), self.rows(micro, rank))
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        logits = model(input_ids=inputs).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)), {}
+
+
+def successor_table(vocab: int, branching: int) -> torch.Tensor:
+    """[vocab, branching]: the tokens allowed after each token (distinct, fixed by LANGUAGE_SEED)."""
+    g = torch.Generator().manual_seed(LANGUAGE_SEED + 7919 * vocab + branching)
+    return torch.stack([torch.randperm(vocab, generator=g)[:branching] for _ in range(vocab)])
+
+
+def sample_sentences(successors: torch.Tensor, total_rows: int, length: int, generator: torch.Generator,
+                     rows: slice) -> torch.Tensor:
+    """Rows `rows` of a [total_rows, length] batch of sentences; every row is the same whatever slice is asked."""
+    vocab, k = successors.shape
+    # Draw the randomness for all rows, so a row's sentence does not depend on which rows this rank takes.
+    first = torch.randint(vocab, (total_rows,), generator=generator)[rows]
+    choices = torch.randint(k, (total_rows, length - 1), generator=generator)[rows]
+    tokens = torch.empty(first.shape[0], length, dtype=torch.long)
+    tokens[:, 0] = first
+    for t in range(1, length):
+        tokens[:, t] = successors[tokens[:, t - 1], choices[:, t - 1]]
+    return tokens
+
+
+class Digits(Task):
+    def __init__(self, config: Any, world_size: int | None = None):
+        super().__init__(config, world_size)
+        self.x_train, self.y_train, self.x_test, self.y_test = digits_data()
+
+    def build_model(self) -> nn.Module:
+        width = MLP_WIDTH[self.config.model_size]
+        return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                             nn.Linear(width, 10))
+
+    def batch(self, step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n, size = len(self.x_train), self.config.global_batch
+        positions = torch.arange(step * size, (step + 1) * size)[self.rows(micro, rank)]
+        # Each epoch is its own shuffle of the training set, fixed by (seed, epoch).
+        epochs = positions // n
+        index = torch.empty_like(positions)
+        for epoch in epochs.unique().tolist():
+            order = torch.randperm(n, generator=_generator(self.config.seed, 10**6 + epoch))
+            mask = epochs == epoch
+            index[mask] = order[positions[mask] % n]
+        return self.x_train[index], self.y_train[index]
+
+    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        logits = model(inputs)
+        accuracy = (logits.argmax(-1) == targets).float().mean().item()
+        return F.cross_entropy(logits.float(), targets), {"accuracy": accuracy}
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        logits = model(self.x_test)
+        return {"eval_accuracy": (logits.argmax(-1) == self.y_test).float().mean().item()}
+
+
+@lru_cache(maxsize=1)
+def digits_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_train, y_train, x_test, y_test): sklearn's digits scaled to [0, 1], split 1437/360 by a fixed shuffle."""
+    from sklearn.datasets import load_digits
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.long)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    train, test = order[:1437], order[1437:]
+    return x[train], y[train], x[test], y[test]
+
+
+TASKS = {"tinylm": TinyLM, "digits": Digits}
+
+
+def make_task(config: Any, world_size: int | None = None) -> Task:
+    """The task named by config.task, sliced for `world_size` ranks (default: config.world_size)."""
+    return TASKS[config.task](config, world_size)
+
+
+def preload(config: Any) -> None:
+    """Import or load, in the launching process, what a task needs, so forked ranks start warm."""
+    if config.task == "tinylm":
+        from transformers import GPT2LMHeadModel  # noqa: F401 - import cost paid once, before forking
+    elif config.task == "digits":
+        digits_data()

@@ -1,0 +1,36 @@
+import json
+
+import pandas as pd
+import pytest
+
+from labkit.records import Run, per_step, write_meta
+
+
+def test_global_throughput_is_all_samples_over_the_slowest_rank():
+    df = pd.DataFrame([
+        {"rank": 0, "step": 0, "loss": 2.0, "loss_mean": 2.5, "lr": 0.1, "samples": 8, "tokens": 80, "t_step": 0.1},
+        {"rank": 1, "step": 0, "loss": 3.0, "loss_mean": 2.5, "lr": 0.1, "samples": 8, "tokens": 80, "t_step": 0.2},
+    ])
+    row = per_step(df).iloc[0]
+    assert row["samples_per_s"] == pytest.approx(16 / 0.2)
+    assert row["tokens_per_s"] == pytest.approx(160 / 0.2)
+    assert (row["loss"], row["loss_min"], row["loss_max"]) == (2.5, 2.0, 3.0)
+
+
+def test_a_line_cut_by_a_crash_is_skipped_and_summary_reads_the_rest(tmp_path):
+    write_meta(tmp_path, name="x", world_size=1, launched_at=100.0)
+    lines = [json.dumps({"rank": 0, "step": s, "time": 100.5 + s, "loss": 1.0 / (s + 1), "loss_mean": 1.0 / (s + 1),
+                         "lr": 0.1, "samples": 4, "tokens": 0, "t_step": 0.5}) for s in range(3)]
+    (tmp_path / "rank0.jsonl").write_text("\n".join(lines) + '\n{"rank": 0, "step": 3, "lo')
+    run = Run(tmp_path)
+    assert len(run.df) == 3
+    summary = run.summary()
+    assert summary["steps"] == 3
+    assert summary["time_to_first_step_s"] == pytest.approx(0.5)
+    assert summary["median_samples_per_s"] == pytest.approx(8.0)
+    assert summary["final_loss"] == pytest.approx(1 / 3)
+
+
+def test_missing_run_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no run directory"):
+        Run(tmp_path / "nope")
