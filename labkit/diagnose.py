@@ -134,8 +134,13 @@ def _main_thread_top(dump: str) -> tuple[str, str, str]:
 
 
 def _fatal_part(log: str) -> str:
+    """faulthandler's report of a fatal signal: its headline and the rank's own thread, innermost frame first."""
     start = log.rfind("Fatal Python error")
-    return log[start:].strip() if start >= 0 else _tail(log, 40)
+    if start < 0:
+        return _tail(log, 40)
+    report = log[start:]
+    _, _, stack = _main_thread_top(report)
+    return report.splitlines()[0] + "\n\n" + stack
 
 
 def _short(path: str) -> str:

@@ -63,7 +63,11 @@ def _shared_floor(runs: Sequence[Run]) -> float | None:
 
 
 def _activate_notebook_display() -> None:
-    """In Jupyter, importing pyplot activates the inline backend, which teaches IPython to show a Figure."""
+    """Teach IPython to show a Figure as PNG (pyplot's inline backend does it too, but only once activated)."""
     from .live import in_notebook
-    if in_notebook():
-        import matplotlib.pyplot  # noqa: F401
+    if not in_notebook():
+        return
+    from IPython import get_ipython
+    from IPython.core.pylabtools import print_figure
+    png = get_ipython().display_formatter.formatters["image/png"]
+    png.for_type(Figure, lambda fig: print_figure(fig, "png", bbox_inches="tight"))
