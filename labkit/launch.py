@@ -22,7 +22,6 @@ import secrets
 import signal
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -30,6 +29,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .config import RunConfig
+from .cuda_guard import cuda_init_culprit
 from .rank import DONE, FINISHING, RUNNING, Heartbeats, RankSpec, rank_main, spawn_main
 from .records import Run, write_meta
 
@@ -161,47 +161,6 @@ def choose_start_method(requested: str) -> str:
     if requested == "auto":
         print(f"labkit: CUDA is initialised in this process, so ranks are spawned (slower to start).\n{culprit}")
     return "spawn"
-
-
-# --- which call initialised CUDA ----------------------------------------------------------------------------
-
-_cuda_init_stack: list[str] | None = None
-_cuda_initialised_before_labkit = torch.cuda.is_initialized()
-
-
-def _install_cuda_init_tracker() -> None:
-    """Wrap torch.cuda._lazy_init (every path that initialises CUDA goes through it) to remember the caller."""
-    original = torch.cuda._lazy_init
-    if getattr(original, "_labkit_tracker", False):
-        return
-
-    def tracking_lazy_init() -> None:
-        global _cuda_init_stack
-        if _cuda_init_stack is None and not torch.cuda.is_initialized():
-            _cuda_init_stack = traceback.format_stack()[:-1]
-        original()
-
-    tracking_lazy_init._labkit_tracker = True  # type: ignore[attr-defined]
-    torch.cuda._lazy_init = tracking_lazy_init
-
-
-def cuda_is_initialised() -> bool:
-    return torch.cuda.is_initialized()
-
-
-def cuda_init_culprit() -> str | None:
-    """None if CUDA is not initialised here; else a sentence naming the call that initialised it."""
-    if not cuda_is_initialised():
-        return None
-    if _cuda_initialised_before_labkit or _cuda_init_stack is None:
-        return ("CUDA was initialised before labkit was imported; import labkit first (top of the notebook) "
-                "and it will name the call that does it.")
-    outside_torch = [f for f in _cuda_init_stack if "/torch/" not in f and "/labkit/" not in f]
-    where = (outside_torch or _cuda_init_stack)[-3:]
-    return "CUDA was initialised by this call:\n" + "".join(where).rstrip()
-
-
-_install_cuda_init_tracker()
 
 
 # --- starting ------------------------------------------------------------------------------------------------

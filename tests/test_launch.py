@@ -17,6 +17,7 @@ from labkit import ConfigError, Fault, LaunchError, RankFailure, RunConfig, laun
 from .conftest import leftover_processes
 
 launch_module = importlib.import_module("labkit.launch")  # the module; labkit.launch is the function
+cuda_guard = importlib.import_module("labkit.cuda_guard")
 
 # A function as a notebook cell defines it: its module is __main__, so it cannot be imported by name.
 CELL = textwrap.dedent("""
@@ -110,9 +111,9 @@ def test_bad_input_is_rejected_before_any_process_starts(runs_root, no_leftovers
 
 
 def test_fork_is_refused_and_auto_spawns_when_cuda_is_initialised(monkeypatch, runs_root, no_leftovers):
-    monkeypatch.setattr(launch_module, "cuda_is_initialised", lambda: True)
-    monkeypatch.setattr(launch_module, "_cuda_initialised_before_labkit", False)
-    monkeypatch.setattr(launch_module, "_cuda_init_stack", ['  File "my_cell.py", line 3, in <module>\n'])
+    monkeypatch.setattr(cuda_guard, "cuda_is_initialised", lambda: True)
+    monkeypatch.setattr(cuda_guard, "_cuda_initialised_before_labkit", False)
+    monkeypatch.setattr(cuda_guard, "_cuda_init_stack", ['  File "my_cell.py", line 3, in <module>\n'])
     with pytest.raises(LaunchError, match="my_cell.py"):
         launch(_cell_function(), world_size=1, start_method="fork", runs_root=runs_root)
     assert launch_module.choose_start_method("auto") == "spawn"
@@ -153,3 +154,23 @@ def test_train_records_the_promised_fields(runs_root, no_leftovers):
                   "t_step", "rss_mb", "accuracy", "eval_accuracy", "time"):
         assert field in run.df and record[field] == record[field], field  # present and not NaN
     assert (run.path / "tb" / "rank1").is_dir() and any((run.path / "tb" / "rank1").iterdir())
+
+
+def test_the_cuda_tracker_names_the_call_that_initialised_cuda(monkeypatch):
+    state = {"initialised": False}
+    monkeypatch.setattr(cuda_guard, "_cuda_init_stack", None)
+    monkeypatch.setattr(cuda_guard, "_cuda_initialised_before_labkit", False)
+    monkeypatch.setattr(cuda_guard, "cuda_is_initialised", lambda: state["initialised"])
+
+    def failing_init():
+        raise AssertionError("Torch not compiled with CUDA enabled")
+    with pytest.raises(AssertionError):
+        cuda_guard.tracking(failing_init, lambda: False)()
+    assert cuda_guard._cuda_init_stack is None  # a failed initialisation is not remembered
+
+    wrapper = cuda_guard.tracking(lambda: state.update(initialised=True), lambda: state["initialised"])
+
+    def user_cell_touching_cuda():
+        wrapper()
+    user_cell_touching_cuda()
+    assert "user_cell_touching_cuda" in cuda_guard.cuda_init_culprit()
