@@ -89,19 +89,21 @@ def _verb(status: RankStatus) -> str:
 def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = None, config: RunConfig | None = None,
            timeout: float = 60.0, startup_timeout: float = 60.0, start_method: str = "auto", name: str | None = None,
            runs_root: str | Path | None = None, echo: bool = True, progress: bool = True,
-           live: bool = False, compare_with: tuple[Run, ...] | list[Run] = ()) -> Run:
+           live: bool = False, compare_with: tuple[Run, ...] | list[Run] = (),
+           env: dict[int, dict[str, str]] | None = None) -> Run:
     """Run `target` on `world_size` ranks and return the Run; raise RankFailure if any rank fails.
 
     target: a RunConfig (runs labkit.train), or a function fn(ctx) (labkit.train, or one from a notebook cell).
     timeout: seconds a rank may go without recording a step or calling ctx.heartbeat() before it is declared hung.
     startup_timeout: seconds a rank may take to start and join the process group (spawn re-imports torch: seconds).
     echo: print each rank's output, prefixed with its rank. progress/live: a progress line / live figure in Jupyter.
+    env: extra environment variables per rank, {rank: {"NAME": "value"}}, as if that rank had been started with them.
     """
     called_at = time.time()
     fn, config = _resolve_target(target, config)
     if world_size is None and config is not None:
         world_size = config.world_size
-    _check_arguments(world_size, config, timeout, start_method)
+    _check_arguments(world_size, config, timeout, start_method, env or {})
     method = choose_start_method(start_method)
     run_dir = _new_run_dir(Path(runs_root or os.environ.get("LABKIT_RUNS", "runs")), name or _label(fn, config))
     if config is not None:
@@ -112,7 +114,7 @@ def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = N
     write_meta(run_dir, launched_at=called_at, name=name or _label(fn, config), world_size=world_size,
                start_method=method,
                function=getattr(fn, "__qualname__", repr(fn)), timeout_s=timeout, pid=os.getpid())
-    procs = _start(fn, config, world_size, run_dir, method, mpctx, beats, port, timeout)
+    procs = _start(fn, config, world_size, run_dir, method, mpctx, beats, port, timeout, env or {})
     from .live import LiveView
     view = LiveView(run_dir, world_size, config.steps if config else None, echo=echo, progress=progress,
                     live=live, compare_with=tuple(compare_with))
@@ -135,7 +137,8 @@ def _resolve_target(target: Any, config: RunConfig | None) -> tuple[Callable[...
     return target, config
 
 
-def _check_arguments(world_size: int | None, config: RunConfig | None, timeout: float, start_method: str) -> None:
+def _check_arguments(world_size: int | None, config: RunConfig | None, timeout: float, start_method: str,
+                     env: dict[int, dict[str, str]]) -> None:
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise LaunchError(f"world_size = {world_size!r}: pass an integer >= 1 (or a RunConfig that has one)")
     if config is not None:
@@ -147,6 +150,11 @@ def _check_arguments(world_size: int | None, config: RunConfig | None, timeout: 
         raise LaunchError(f"timeout = {timeout!r}: pass the seconds a rank may go without progress, > 0")
     if start_method not in ("auto", "fork", "spawn"):
         raise LaunchError(f"start_method = {start_method!r}: must be auto, fork or spawn")
+    for rank, variables in env.items():
+        if not (isinstance(rank, int) and 0 <= rank < world_size and isinstance(variables, dict)
+                and all(isinstance(k, str) and isinstance(v, str) for k, v in variables.items())):
+            raise LaunchError(f"env[{rank!r}] = {variables!r}: pass {{rank: {{'NAME': 'value'}}}} with ranks in "
+                              f"0..{world_size - 1} and string names and values")
 
 
 def choose_start_method(requested: str) -> str:
@@ -184,10 +192,11 @@ def _warm_imports(config: RunConfig | None, method: str) -> None:
 
 
 def _start(fn: Callable[..., Any], config: RunConfig | None, world_size: int, run_dir: Path, method: str,
-           mpctx: Any, beats: Heartbeats, port: Any, timeout: float) -> list[Any]:
+           mpctx: Any, beats: Heartbeats, port: Any, timeout: float, env: dict[int, dict[str, str]]) -> list[Any]:
     # The process-group timeout is a backstop, longer than the watchdog's, so the watchdog reports first.
     specs = [RankSpec(rank=r, world_size=world_size, run_dir=run_dir, backend=config.backend if config else "auto",
-                      pg_timeout_s=timeout + 60, tensorboard=bool(config and config.tensorboard), config=config)
+                      pg_timeout_s=timeout + 60, tensorboard=bool(config and config.tensorboard), config=config,
+                      env=tuple(sorted(env.get(r, {}).items())))
              for r in range(world_size)]
     if method == "fork":
         procs = [mpctx.Process(target=rank_main, args=(fn, s, beats, port), daemon=False) for s in specs]

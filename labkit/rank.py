@@ -77,6 +77,7 @@ class RankSpec:
     pg_timeout_s: float = 120.0
     tensorboard: bool = False
     config: Any = None  # a RunConfig, or None for a plain function
+    env: tuple[tuple[str, str], ...] = ()  # extra environment for this rank only (applied last: it wins)
 
 
 @dataclass
@@ -210,6 +211,7 @@ def _set_rank_env(spec: RankSpec, port: int) -> None:
                       WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(spec.rank),
                       LOCAL_WORLD_SIZE=str(spec.world_size), OMP_NUM_THREADS="1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.update(dict(spec.env))
 
 
 def _detach_from_parent() -> None:
