@@ -1,0 +1,86 @@
+"""Check labkit.comm's all_reduce bandwidth against a plain dist.all_reduce loop, side by side, at 16 MiB.
+
+    .venv/bin/python bench/allreduce.py                 # 3 rounds each, world 2: ~30 s on 2 CPU cores
+    .venv/bin/python bench/allreduce.py --rounds 5 --world-size 4 --mib 64
+
+Rounds alternate (labkit, plain, labkit, plain, ...) so machine noise hits both alike; the medians of the rounds
+and their ratio are printed, with whether they agree within 10%. The plain side shares no code with labkit: its
+ranks are started by torch.multiprocessing.spawn, join over tcp:// on their own, and time the loop their own way
+(one clock around all iterations after a barrier, as nccl-tests does; the slowest rank's figure counts), where
+labkit times each call after a barrier and takes the median.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from labkit import comm
+
+WARMUP, ITERS = 3, 10
+AGREE = 0.10
+
+
+def plain_rank(rank: int, world: int, port: int, size_bytes: int, out_dir: str) -> None:
+    """One rank of the plain loop: its own process group, warm-up, then ITERS all_reduces under one clock."""
+    torch.set_num_threads(1)  # as labkit's ranks: one core each, so neither side gets more threads
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    x = torch.ones(size_bytes // 4)
+    for _ in range(WARMUP):
+        dist.all_reduce(x)
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(ITERS):
+        dist.all_reduce(x)
+    per_call = (time.perf_counter() - started) / ITERS
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"seconds": per_call}))
+    dist.destroy_process_group()
+
+
+def plain_busbw(world: int, size_bytes: int) -> float:
+    """busbw in GB/s of the plain loop, computed here from the nccl-tests formula (not comm.busbw)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free now; a race with another process is possible but rare
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(plain_rank, args=(world, port, size_bytes, out), nprocs=world, join=True)
+        slowest = max(json.loads(p.read_text())["seconds"] for p in Path(out).glob("rank*.json"))
+    return size_bytes / slowest / 1e9 * 2 * (world - 1) / world
+
+
+def labkit_busbw(world: int, size_bytes: int) -> float:
+    df = comm.benchmark(ops=("all_reduce",), sizes=[size_bytes], world_size=world, repeats=ITERS, warmup=WARMUP,
+                        backend="gloo", runs_root=tempfile.mkdtemp(prefix="bench-allreduce-"))
+    return float(df.busbw_GBps.iloc[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--mib", type=int, default=16, help="message size in MiB")
+    args = parser.parse_args()
+    size = args.mib * 1024 * 1024
+    ours, plain = [], []
+    for r in range(args.rounds):
+        ours.append(labkit_busbw(args.world_size, size))
+        plain.append(plain_busbw(args.world_size, size))
+        print(f"round {r + 1}: labkit {ours[-1]:.3f} GB/s | plain loop {plain[-1]:.3f} GB/s")
+    a, b = statistics.median(ours), statistics.median(plain)
+    ratio = a / b
+    print(f"\nall_reduce {args.mib} MiB, gloo, world {args.world_size}, busbw (median of {args.rounds} rounds):")
+    print(f"  labkit.comm.benchmark  {a:.3f} GB/s")
+    print(f"  plain dist.all_reduce  {b:.3f} GB/s")
+    print(f"  ratio labkit/plain     {ratio:.3f}  -> agree within {AGREE:.0%}: {'yes' if abs(ratio - 1) <= AGREE else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()
