@@ -6,13 +6,11 @@
     alpha, bandwidth = comm.fit_ring_model(ar.size_bytes, ar.time_s, world=2)   # seconds, bytes/s
     fig = comm.plot_bandwidth(df)                                               # busbw vs message size
 
-Bandwidths follow nccl-tests (PERFORMANCE.md there), in GB/s (1e9 bytes/s):
-    algbw = S / t                  S = size_bytes, t = time of one collective
-    busbw = algbw * factor(op, n)  all_reduce 2(n-1)/n; all_gather, reduce_scatter (n-1)/n; broadcast 1
-busbw is comparable across ops and world sizes: it is what each rank's link carried, so for a good
-implementation it approaches the hardware's bandwidth. **Size convention**: S is the size of the largest buffer
-of the op: the tensor for all_reduce and broadcast, and the *total, gathered* buffer (n shards) for all_gather
-(its output) and reduce_scatter (its input), as in nccl-tests. Each rank sends or receives S/n per shard.
+Bandwidths as nccl-tests defines them, in GB/s (1e9 bytes/s), for one collective of S bytes taking t seconds:
+    algbw = S / t;  busbw = algbw * factor: all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast 1.
+busbw is what each rank's link carried: comparable across ops and world sizes, and against the hardware.
+**Size convention**: S is the tensor for all_reduce and broadcast, and the *total, gathered* buffer (n shards of
+S/n) for all_gather (its output) and reduce_scatter (its input), as in nccl-tests.
 
 Ring all_reduce model: 2(n-1) steps (reduce-scatter, then all-gather), each moving S/n bytes and paying a
 latency alpha:  t = 2(n-1)·alpha + 2(n-1)/n · S/B.  Its busbw tends to B for large S.
@@ -27,7 +25,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import pandas as pd
+import torch
+import torch.distributed as dist
 from matplotlib.figure import Figure
+
+from .config import pick
+from .launch import launch
+from .rank import resolve_backend
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 KiB, MiB = 1024, 1024 * 1024
@@ -43,11 +47,9 @@ COLUMNS = ["op", "backend", "world_size", "size_bytes", "time_s", "algbw_GBps", 
 def bus_factor(op: str, world: int) -> float:
     """busbw / algbw for `op` on `world` ranks:  bus_factor("all_reduce", 4) == 1.5."""
     n = _check_world(world)
-    factors = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-               "broadcast": 1.0}
-    if op not in factors:
+    if op not in OPS:
         raise ValueError(f"op = {op!r}: must be one of {', '.join(OPS)}")
-    return factors[op]
+    return {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(op, (n - 1) / n)  # gather, scatter: (n-1)/n
 
 
 def algbw(size_bytes: float, seconds: float) -> float:
@@ -60,16 +62,14 @@ def algbw(size_bytes: float, seconds: float) -> float:
 def busbw(op: str, size_bytes: float, seconds: float, world: int) -> float:
     """Bus bandwidth in GB/s, as nccl-tests defines it:  busbw("all_reduce", 64 * MiB, 0.05, world=2).
 
-    size_bytes is the tensor for all_reduce/broadcast and the total (gathered) buffer for all_gather and
-    reduce_scatter (see the module docstring)."""
+    size_bytes: the tensor (all_reduce, broadcast) or the total gathered buffer (all_gather, reduce_scatter)."""
     return algbw(size_bytes, seconds) * bus_factor(op, world)
 
 
 def ring_time(size_bytes: Any, world: int, alpha: float, bandwidth: float) -> Any:
-    """Ring all_reduce time in seconds: 2(n-1)·alpha + 2(n-1)/n · S/bandwidth (alpha in s, bandwidth in bytes/s).
+    """Ring all_reduce seconds, 2(n-1)·alpha + 2(n-1)/n · S/bandwidth:  ring_time(64 * MiB, 2, 1e-4, 1e9).
 
-        ring_time(64 * MiB, world=2, alpha=1e-4, bandwidth=1e9)    # also takes numpy arrays of sizes
-    """
+    alpha in seconds, bandwidth in bytes/s; size_bytes may be a numpy array."""
     n = _check_world(world)
     return 2 * (n - 1) * alpha + 2 * (n - 1) / n * np.asarray(size_bytes, dtype=float) / bandwidth
 
@@ -79,10 +79,9 @@ def fit_ring_model(sizes: Sequence[float], times: Sequence[float], world: int) -
 
         alpha, bandwidth = fit_ring_model([4096, 1 << 20, 1 << 24], [2.6e-4, 1.3e-3, 1.7e-2], world=2)
 
-    The model is linear in alpha and 1/B, so this is least squares (numpy lstsq). Each row is divided by its
-    measured time: that minimises *relative* errors, so the microsecond points count as much as the 100 ms ones
-    (plain least squares would fit the largest messages and ignore latency). Raises ValueError when the data are
-    unusable or the best fit is not physical (alpha or B not positive)."""
+    Linear in alpha and 1/B, so least squares (numpy lstsq), each row divided by its measured time: that minimises
+    *relative* errors, so 0.3 ms points count as much as 100 ms ones (plain least squares would fit the largest
+    messages and ignore latency). ValueError for unusable data or an unphysical fit (alpha or B not positive)."""
     n = _check_world(world)
     s, t = np.asarray(sizes, dtype=float), np.asarray(times, dtype=float)
     if s.shape != t.shape or s.ndim != 1:
@@ -110,13 +109,18 @@ def message_sizes(smallest: int = 4 * KiB, largest: int | None = None, factor: i
     """Powers of `factor` from `smallest` to `largest` bytes: 4 KiB..64 MiB by 2 (quick mode: ..16 MiB by 4).
 
         message_sizes()  ->  [4096, 8192, ..., 67108864]"""
-    from .config import pick
     largest = largest or pick(full=64 * MiB, quick=16 * MiB)
     factor = factor or pick(full=2, quick=4)
     out = [smallest]
     while out[-1] * factor <= largest:
         out.append(out[-1] * factor)
     return out
+
+
+def usable_cores() -> int:
+    """CPU cores this process (and the ranks it forks) may run on: its affinity mask, which taskset, containers
+    and lessons narrow, so it can be fewer than os.cpu_count():  usable_cores() -> 2."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _check_world(world: int) -> int:
@@ -134,17 +138,17 @@ def benchmark(ops: Sequence[str] = OPS, sizes: Sequence[int] | None = None, worl
 
         df = benchmark(ops=("all_reduce",), sizes=[4096, 1 << 20], world_size=2, repeats=10)
 
-    Per op and size: `warmup` untimed calls, then `repeats` timed ones, each after a barrier so that ranks start
-    together. A call's time is the max over ranks (the collective is done when its last rank is), and time_s is
-    the median over repeats (robust to the odd slow call). backend "auto": nccl on CUDA tensors when every rank
-    can have a GPU, else gloo on CPU tensors. An op the backend refuses is not fatal: its rows have NaN times and
-    `skipped` says why. oversubscribed: more ranks than CPU cores, so ranks share cores (label such results)."""
-    from .launch import launch
+    Per op and size: `warmup` untimed calls, then `repeats` timings, each after a barrier so that ranks start
+    together (messages under 1 MiB: several back-to-back calls per timing, averaged). A timing counts for its
+    slowest rank (the collective is done when its last rank is); time_s is the median over repeats.
+    backend "auto": nccl on CUDA tensors when every rank can have a GPU, else gloo on CPU tensors. An op the
+    backend refuses is not fatal: its rows have NaN times and `skipped` says why. oversubscribed: more ranks
+    than usable_cores(), so ranks share cores (label such results)."""
     unknown = [op for op in ops if op not in OPS]
     if unknown:
         raise ValueError(f"ops {unknown}: each must be one of {', '.join(OPS)}")
     sizes = list(sizes or message_sizes())
-    repeats = repeats or _default_repeats()
+    repeats = repeats or pick(full=20, quick=15)
     backend = _resolve(backend, _check_world(world_size))
     worker = functools.partial(_bench_rank, ops=tuple(ops), sizes=tuple(sizes), repeats=repeats, warmup=warmup,
                                backend=backend)
@@ -153,24 +157,15 @@ def benchmark(ops: Sequence[str] = OPS, sizes: Sequence[int] | None = None, worl
     df = pd.DataFrame(run.result(0), columns=["op", "size_bytes", "time_s", "skipped"])
     df.insert(1, "backend", backend)
     df.insert(2, "world_size", world_size)
-    ok = df["time_s"].notna()
-    df["algbw_GBps"] = [algbw(s, t) if k else np.nan for s, t, k in zip(df.size_bytes, df.time_s, ok)]
-    df["busbw_GBps"] = [busbw(o, s, t, world_size) if k else np.nan
-                        for o, s, t, k in zip(df.op, df.size_bytes, df.time_s, ok)]
-    df["oversubscribed"] = world_size > (os.cpu_count() or 1)
+    df["algbw_GBps"] = [algbw(s, t) if t > 0 else np.nan for s, t in zip(df.size_bytes, df.time_s)]
+    df["busbw_GBps"] = [busbw(o, s, t, world_size) if t > 0 else np.nan
+                        for o, s, t in zip(df.op, df.size_bytes, df.time_s)]
+    df["oversubscribed"] = world_size > usable_cores()
     df.attrs["run_path"] = str(run.path)
     return df[COLUMNS]
 
 
-def _default_repeats() -> int:
-    from .config import pick
-    return pick(full=20, quick=15)
-
-
 def _resolve(backend: str, world: int) -> str:
-    import torch
-    import torch.distributed as dist
-    from .rank import resolve_backend
     chosen = resolve_backend(backend, world)
     if chosen == "nccl" and not (dist.is_nccl_available() and torch.cuda.device_count() >= world):
         raise ValueError(f"backend 'nccl' with world_size={world} needs {world} CUDA GPUs and an NCCL build of "
@@ -184,8 +179,6 @@ def _resolve(backend: str, world: int) -> str:
 def _bench_rank(ctx: Any, *, ops: tuple[str, ...], sizes: tuple[int, ...], repeats: int, warmup: int,
                 backend: str) -> list[tuple[str, int, float, str]] | None:
     """On every rank: time every (op, size); rank 0 returns (op, size_bytes, time_s, skipped) rows."""
-    import torch
-    import torch.distributed as dist
     # The launched group is nccl when GPUs allow; a gloo benchmark on such a machine gets a gloo group of its own.
     group = None if backend == ctx.backend else dist.new_group(backend=backend)
     device = ctx.device if backend == "nccl" else torch.device("cpu")
@@ -208,15 +201,12 @@ def _bench_rank(ctx: Any, *, ops: tuple[str, ...], sizes: tuple[int, ...], repea
 
 def _collective(op: str, size_bytes: int, world: int, device: Any, group: Any) -> tuple[Callable[[], Any], int]:
     """A zero-argument call doing `op` on float32 buffers, and the size_bytes it really moves (see module doc)."""
-    import torch
-    import torch.distributed as dist
-    shard = max(1, size_bytes // 4 // world)  # gathered ops: whole shards, so S is rounded down to n·shard
-    if op == "all_reduce":
+    if op in ("all_reduce", "broadcast"):
         x = torch.ones(max(1, size_bytes // 4), device=device)
-        return functools.partial(dist.all_reduce, x, group=group), x.numel() * 4
-    if op == "broadcast":
-        x = torch.ones(max(1, size_bytes // 4), device=device)
-        return functools.partial(dist.broadcast, x, src=0, group=group), x.numel() * 4
+        if op == "all_reduce":
+            return functools.partial(dist.all_reduce, x, group=group), x.numel() * 4
+        return functools.partial(dist.broadcast, x, 0, group=group), x.numel() * 4
+    shard = max(1, size_bytes // 4 // world)  # whole shards: S is rounded down to a multiple of n
     small, big = torch.ones(shard, device=device), torch.empty(shard * world, device=device)
     if op == "all_gather":
         return functools.partial(dist.all_gather_into_tensor, big, small, group=group), big.numel() * 4
@@ -226,11 +216,9 @@ def _collective(op: str, size_bytes: int, world: int, device: Any, group: Any) -
 def _refused(call: Callable[[], Any], device: Any, group: Any) -> str:
     """Try the op once; "" if every rank ran it, else why not. The ranks agree, so none waits in an op alone.
     (A backend that fails mid-transfer on one rank only would still hang the other: launch's timeout catches it.)"""
-    import torch
-    import torch.distributed as dist
+    reason = ""
     try:
         call()
-        reason = ""
     except (RuntimeError, ValueError, NotImplementedError, TypeError) as exc:
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     failed = torch.tensor([1.0 if reason else 0.0], device=device)
@@ -238,11 +226,10 @@ def _refused(call: Callable[[], Any], device: Any, group: Any) -> str:
     return reason or ("refused on another rank" if failed.item() else "")
 
 
-def _time_calls(calls: list[tuple[Callable[[], Any], int]], repeats: int, warmup: int, sync: Callable[[], None], group: Any,
-                heartbeat: Callable[[], None]) -> list[list[float]]:
+def _time_calls(calls: list[tuple[Callable[[], Any], int]], repeats: int, warmup: int, sync: Callable[[], None],
+                group: Any, heartbeat: Callable[[], None]) -> list[list[float]]:
     """Seconds per call, [size][repeat]. Each repeat visits every size in turn, so a burst of noise from the rest
     of the machine lands on all sizes alike instead of spoiling one; each timing follows a barrier."""
-    import torch.distributed as dist
     for call, _ in calls:
         for _ in range(warmup):
             call()
@@ -252,8 +239,6 @@ def _time_calls(calls: list[tuple[Callable[[], Any], int]], repeats: int, warmup
         heartbeat()
         for (call, size_bytes), out in zip(calls, times):
             n = max(1, min(CALLS_PER_TIMING, MiB // size_bytes))
-            if n > 1:
-                call()  # small calls run slow right after a large one (caches, wake-ups): not theirs to pay
             dist.barrier(group=group)
             sync()
             started = time.perf_counter()
@@ -285,10 +270,10 @@ def plot_bandwidth(df: pd.DataFrame, *, model: bool = True, title: str | None = 
     ax_t.set(title="time of one collective (median over repeats, slowest rank)", ylabel="time (ms)", yscale="log")
     ax_bw.set(title="bus bandwidth (nccl-tests busbw)", ylabel="busbw (GB/s = 1e9 bytes/s)", yscale="log")
     for ax in (ax_t, ax_bw):
-        ax.set_xscale("log", base=2)
+        ax.set_xscale("log", base=2)  # one tick per power of two: the sizes measured
+        ax.set_xlabel("message size (all_gather/reduce_scatter: gathered total)")
         ax.xaxis.set_major_formatter(lambda value, _: _human_bytes(value))
         ax.yaxis.set_major_formatter(lambda value, _: f"{value:g}")
-        ax.set_xlabel("message size (all_gather/reduce_scatter: gathered total)")
         ax.grid(alpha=0.3, which="both")
     ax_bw.legend(fontsize=8, loc="lower right")
     if title:
@@ -310,7 +295,5 @@ def _draw_model(ax_t: Any, ax_bw: Any, g: pd.DataFrame, world: int, color: str) 
 
 
 def _human_bytes(value: float) -> str:
-    for unit, scale in (("MiB", MiB), ("KiB", KiB)):
-        if value >= scale:
-            return f"{value / scale:g} {unit}"
-    return f"{value:g} B"
+    unit, scale = ("MiB", MiB) if value >= MiB else ("KiB", KiB) if value >= KiB else ("B", 1)
+    return f"{value / scale:.3g} {unit}"
