@@ -49,7 +49,7 @@ def run_under_torchrun(config: RunConfig, run_dir: Path | None, timeout: float) 
     import torch.distributed as dist
     from .loop import train
     from .rank import RankContext, resolve_backend
-    from .records import RankRecorder, write_meta
+    from .records import RankRecorder, write_meta, write_tensorboard
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if world != config.world_size:
@@ -65,7 +65,7 @@ def run_under_torchrun(config: RunConfig, run_dir: Path | None, timeout: float) 
     if rank == 0:
         config.save(run_dir / "config.json")
         write_meta(run_dir, name=config.label, world_size=world, start_method="torchrun")
-    recorder = RankRecorder(run_dir, rank, tensorboard=config.tensorboard)
+    recorder = RankRecorder(run_dir, rank)
     ctx = RankContext(rank=rank, world_size=world, local_rank=local_rank, backend=backend, device=device,
                       run_dir=run_dir, config=config, recorder=recorder)
     try:
@@ -73,6 +73,8 @@ def run_under_torchrun(config: RunConfig, run_dir: Path | None, timeout: float) 
     finally:
         recorder.close()
         dist.destroy_process_group()
+        if config.tensorboard:
+            write_tensorboard(run_dir, ranks=[rank])  # each rank converts its own records, after training
     return 0
 
 

@@ -25,6 +25,7 @@ SCHEDULES = ("constant", "linear", "cosine")
 PRECISIONS = ("fp32", "bf16", "fp16")
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 STRATEGIES = ("ddp",)  # later lessons add "zero", "fsdp", ...
+COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd")
 FAULT_KINDS = ("raise", "segfault", "hang", "nan", "exit")
 
 
@@ -81,7 +82,10 @@ class RunConfig:
     global_batch: int = 32
     """Samples per optimizer step, over all ranks and accumulation steps; must split evenly (see batch_per_rank)."""
     grad_accum: int = 1
-    """Micro-batches accumulated (under DDP no_sync) before each optimizer step."""
+    """Micro-batches accumulated before each optimizer step."""
+    no_sync: bool = True
+    """With grad_accum > 1: skip DDP's all-reduce on all micro-batches but the last (DDP.no_sync). False is the
+    naive way: every micro-batch's backward all-reduces, grad_accum times the traffic for the same update."""
     steps: int = 20
     """Optimizer steps."""
     optimizer: str = "adamw"
@@ -109,6 +113,22 @@ class RunConfig:
     """How the model is distributed."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size."""
+    comm_hook: str = "allreduce"
+    """How DDP sends gradients: "allreduce" (plain), "fp16" / "bf16" (compressed to 16 bits on the wire),
+    "powersgd" (low-rank, powersgd_rank). Every hook counts all-reduces and bytes per step (allreduces, comm_bytes)."""
+    powersgd_rank: int = 1
+    """PowerSGD's matrix approximation rank."""
+    memory_budget_mb: float | None = None
+    """Fail like an out-of-memory error when a rank's peak memory grows by more than this over its baseline
+    (CPU: resident memory). None: no budget (on GPUs, real CUDA OOMs are reported the same way)."""
+    data_workers: int = 0
+    """digits: DataLoader worker processes; with 0 and sample_cost_ms 0 batches are sliced directly in memory."""
+    sample_cost_ms: float = 0.0
+    """digits: real CPU work per sample (decoding/augmentation stand-in), done by the DataLoader pipeline."""
+    pin_memory: bool = False
+    persistent_workers: bool = False
+    prefetch_factor: int = 2
+    """Batches each DataLoader worker prepares ahead."""
     seq_len: int = 32
     """tinylm: tokens per sample."""
     vocab_size: int = 64
@@ -122,7 +142,7 @@ class RunConfig:
     faults: tuple[Fault, ...] = ()
     """Failures to inject on purpose, for lessons and tests."""
     tensorboard: bool = True
-    """Also write TensorBoard events under runs/<id>/tb/rank<r>/."""
+    """Also write TensorBoard events under runs/<id>/tb/rank<r>/ (made from the records when the run ends)."""
     save_final: bool = True
     """Save each rank's final parameters to runs/<id>/final/rank<r>.pt."""
     name: str = ""
@@ -158,18 +178,20 @@ class RunConfig:
         """Every field that holds a value that is not allowed, as a sentence; empty when the config is valid."""
         out: list[str] = []
         choices = {"task": TASKS, "model_size": MODEL_SIZES, "optimizer": OPTIMIZERS, "schedule": SCHEDULES,
-                   "precision": PRECISIONS, "backend": BACKENDS, "strategy": STRATEGIES}
+                   "precision": PRECISIONS, "backend": BACKENDS, "strategy": STRATEGIES, "comm_hook": COMM_HOOKS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 out.append(f"RunConfig.{name} = {getattr(self, name)!r}: must be one of {', '.join(allowed)}")
         for name, low in [("world_size", 1), ("global_batch", 1), ("grad_accum", 1), ("steps", 1),
                           ("seq_len", 2), ("vocab_size", 2), ("branching", 1), ("warmup_steps", 0),
-                          ("eval_every", 0), ("seed", 0)]:
+                          ("eval_every", 0), ("seed", 0), ("powersgd_rank", 1), ("data_workers", 0),
+                          ("prefetch_factor", 1)]:
             value = getattr(self, name)
             if not _is_int(value) or value < low:
                 out.append(f"RunConfig.{name} = {value!r}: must be an integer >= {low}")
         for name, low, inclusive in [("lr", 0.0, False), ("weight_decay", 0.0, True), ("momentum", 0.0, True),
-                                     ("min_lr_ratio", 0.0, True), ("bucket_cap_mb", 0.0, False)]:
+                                     ("min_lr_ratio", 0.0, True), ("bucket_cap_mb", 0.0, False),
+                                     ("sample_cost_ms", 0.0, True)]:
             value = getattr(self, name)
             ok = _is_number(value) and math.isfinite(value) and (value >= low if inclusive else value > low)
             if not ok:
@@ -179,6 +201,13 @@ class RunConfig:
         if self.clip_norm is not None and not (_is_number(self.clip_norm) and math.isfinite(self.clip_norm)
                                                and self.clip_norm > 0):
             out.append(f"RunConfig.clip_norm = {self.clip_norm!r}: must be None (no clipping) or a finite number > 0")
+        if self.memory_budget_mb is not None and not (_is_number(self.memory_budget_mb)
+                                                      and math.isfinite(self.memory_budget_mb)
+                                                      and self.memory_budget_mb > 0):
+            out.append(f"RunConfig.memory_budget_mb = {self.memory_budget_mb!r}: must be None or a finite number > 0")
+        if self.task != "digits" and (self.data_workers or self.sample_cost_ms):
+            out.append(f"RunConfig.data_workers = {self.data_workers!r}, sample_cost_ms = {self.sample_cost_ms!r}: "
+                       f"the DataLoader pipeline exists for task 'digits' only (task = {self.task!r})")
         if _is_int(self.branching) and _is_int(self.vocab_size) and self.branching > self.vocab_size:
             out.append(f"RunConfig.branching = {self.branching}: must be at most vocab_size = {self.vocab_size}")
         if not out:  # divisibility only makes sense once the sizes themselves are valid

@@ -31,7 +31,7 @@ import torch
 from .config import RunConfig
 from .cuda_guard import cuda_init_culprit
 from .rank import DONE, FINISHING, RUNNING, Heartbeats, RankSpec, rank_main, spawn_main
-from .records import Run, write_meta
+from .records import Run, write_meta, write_tensorboard
 
 POLL_S = 0.01          # how often the watchdog looks at the ranks
 GRACE_S = 1.0          # after SIGTERM, how long a rank gets before SIGKILL
@@ -123,6 +123,8 @@ def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = N
     finally:
         _stop(procs)
         view.close()
+        if config is not None and config.tensorboard:
+            write_tensorboard(run_dir)  # after the ranks, so it costs them nothing; failed runs get events too
     if failure is not None:
         raise failure
     return Run(run_dir)
@@ -180,8 +182,7 @@ def _warm_imports(config: RunConfig | None, method: str) -> None:
     """Import once, here, what every forked rank would otherwise import for itself (DDP pulls in torch._dynamo)."""
     if method != "fork":
         return
-    wanted = ["torch._dynamo", "torch.nn.parallel"] + (["torch.utils.tensorboard"] if config and config.tensorboard
-                                                         else [])
+    wanted = ["torch._dynamo", "torch.nn.parallel"]
     for module in wanted:
         if module not in _warmed:
             __import__(module)
@@ -195,7 +196,7 @@ def _start(fn: Callable[..., Any], config: RunConfig | None, world_size: int, ru
            mpctx: Any, beats: Heartbeats, port: Any, timeout: float, env: dict[int, dict[str, str]]) -> list[Any]:
     # The process-group timeout is a backstop, longer than the watchdog's, so the watchdog reports first.
     specs = [RankSpec(rank=r, world_size=world_size, run_dir=run_dir, backend=config.backend if config else "auto",
-                      pg_timeout_s=timeout + 60, tensorboard=bool(config and config.tensorboard), config=config,
+                      pg_timeout_s=timeout + 60, config=config,
                       env=tuple(sorted(env.get(r, {}).items())))
              for r in range(world_size)]
     if method == "fork":

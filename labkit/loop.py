@@ -4,12 +4,14 @@
     torchrun --nproc-per-node 2 -m labkit run config.json      # the same loop under torchrun
 
 Per step and rank it records (records.py has the file layout):
-    loss        this rank's loss (mean over its micro-batches)
-    loss_mean   the loss averaged over all ranks (an all-reduce issued asynchronously, overlapping the optimizer)
+    loss        this rank's loss (mean over its micro-batches); Run.steps() averages it over ranks, which is
+                exactly the global loss (equal batches per rank) without an extra all-reduce per step
     lr, grad_norm (before clipping), samples and tokens this rank processed
     t_data, t_fwd_bwd (includes DDP's all-reduce of gradients, overlapped with backward), t_optim,
     t_step      wall time since the previous step ended (so it includes writing the previous record)
-    rss_mb      resident memory of the rank; cuda_peak_mb on GPUs
+    allreduces, comm_bytes   gradient all-reduces this step and their payload (RunConfig.comm_hook; commhooks.py)
+    rss_mb      resident memory of the rank; peak_growth_mb its peak above the level before the first step
+                (RunConfig.memory_budget_mb turns it into an out-of-memory error); cuda_peak_mb on GPUs
     accuracy / eval_accuracy on tasks that have them
 """
 from __future__ import annotations
@@ -21,9 +23,9 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .commhooks import install_comm_hook, single_bucket_mb
 from .faults import inject, nan_factor
 from .schedule import lr_for_config
 from .tasks import Task, make_task
@@ -31,6 +33,10 @@ from .tasks import Task, make_task
 
 class NonFiniteLoss(FloatingPointError):
     """The loss became NaN or infinite (RunConfig.stop_on_nan)."""
+
+
+class OutOfMemoryBudget(MemoryError):
+    """A step needed more memory than RunConfig.memory_budget_mb (or the GPU has): the per-rank batch is too big."""
 
 
 def train(ctx: Any, config: Any = None) -> None:
@@ -42,9 +48,11 @@ def train(ctx: Any, config: Any = None) -> None:
     task = make_task(config, ctx.world_size)
     model = task.build_model().to(ctx.device)
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-              bucket_cap_mb=config.bucket_cap_mb)
+              bucket_cap_mb=_bucket_cap_mb(config, model, ctx))
+    comm = install_comm_hook(ddp, config.comm_hook, powersgd_rank=config.powersgd_rank)
     optimizer = make_optimizer(config, model.parameters())
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=config.precision == "fp16")
+    baseline = _rss_bytes()
     step_started = time.perf_counter()
     for step in range(config.steps):
         ctx.heartbeat(step)
@@ -52,22 +60,23 @@ def train(ctx: Any, config: Any = None) -> None:
         lr = lr_for_config(step, config)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss, extras, t_data, t_fwd_bwd = _forward_backward(ddp, task, ctx, config, scaler, step)
-        loss_sum = torch.tensor([loss], dtype=torch.float64, device=ctx.device)
-        pending = dist.all_reduce(loss_sum, async_op=True)  # overlaps the optimizer step below
+        with _reported_as_out_of_memory(config, step):
+            loss, extras, t_data, t_fwd_bwd = _forward_backward(ddp, task, ctx, config, scaler, step)
         t0 = time.perf_counter()
         grad_norm = _optimizer_step(model, optimizer, scaler, config.clip_norm)
         t_optim = _elapsed(t0, ctx.device)
-        pending.wait()
         if config.eval_every and ((step + 1) % config.eval_every == 0 or step == config.steps - 1):
             extras.update(task.evaluate(model))
+        allreduces, comm_bytes = comm.take()
+        memory = memory_fields(ctx.device, baseline)
         now = time.perf_counter()
-        ctx.record(step, loss=loss, loss_mean=loss_sum.item() / ctx.world_size, lr=lr, grad_norm=grad_norm,
+        ctx.record(step, loss=loss, lr=lr, grad_norm=grad_norm,
                    samples=task.batch_size * config.grad_accum,
                    tokens=task.batch_size * config.grad_accum * task.tokens_per_sample,
                    t_data=t_data, t_fwd_bwd=t_fwd_bwd, t_optim=t_optim, t_step=now - step_started,
-                   **memory_fields(ctx.device), **extras)
+                   allreduces=allreduces, comm_bytes=comm_bytes, **memory, **extras)
         step_started = now
+        _check_memory_budget(config, memory["peak_growth_mb"], step, task.batch_size)
         if config.stop_on_nan and not math.isfinite(loss):
             raise NonFiniteLoss(f"loss is {loss} at step {step} on rank {ctx.rank}; "
                                 "lower the LR, clip gradients (clip_norm) or warm up")
@@ -84,8 +93,8 @@ def _forward_backward(ddp: DDP, task: Task, ctx: Any, config: Any, scaler: Any,
         t0 = time.perf_counter()
         inputs, targets = (t.to(ctx.device, non_blocking=True) for t in task.batch(step, micro, ctx.rank))
         t1 = time.perf_counter()
-        last = micro == config.grad_accum - 1
-        with (contextlib.nullcontext() if last else ddp.no_sync()), autocast(config.precision, ctx.device):
+        sync = micro == config.grad_accum - 1 or not config.no_sync
+        with (contextlib.nullcontext() if sync else ddp.no_sync()), autocast(config.precision, ctx.device):
             loss, extras = task.loss(ddp, inputs, targets)
             loss = loss * nan_factor(config.faults, ctx.rank, step)
         scaler.scale(loss / config.grad_accum).backward()
@@ -110,6 +119,38 @@ def _optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
     return norm.item()
 
 
+def _bucket_cap_mb(config: Any, model: torch.nn.Module, ctx: Any) -> float:
+    if config.comm_hook == "powersgd" and ctx.backend == "gloo":
+        size = single_bucket_mb(model)
+        if config.bucket_cap_mb < size:
+            print(f"labkit: PowerSGD on gloo needs one DDP bucket; bucket_cap_mb {config.bucket_cap_mb} -> {size:.1f}")
+            return size
+    return config.bucket_cap_mb
+
+
+def _budget_advice(config: Any, batch: int) -> str:
+    return (f"per-rank batch {batch} is too large for this budget: accumulate instead, e.g. "
+            f"RunConfig(grad_accum={config.grad_accum * 2}) keeps global_batch={config.global_batch} with half the "
+            "samples in memory at once (or use more ranks)")
+
+
+def _check_memory_budget(config: Any, growth_mb: float, step: int, batch: int) -> None:
+    if config.memory_budget_mb is not None and growth_mb > config.memory_budget_mb:
+        raise OutOfMemoryBudget(f"step {step} needed {growth_mb:.0f} MB above the rank's starting memory; "
+                                f"memory_budget_mb = {config.memory_budget_mb:g}. " + _budget_advice(config, batch))
+
+
+@contextlib.contextmanager
+def _reported_as_out_of_memory(config: Any, step: int) -> Any:
+    """A real CUDA out-of-memory error, re-raised with the same advice as the CPU budget."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as exc:
+        batch = config.global_batch // (config.world_size * config.grad_accum)
+        raise OutOfMemoryBudget(f"CUDA out of memory at step {step}: {str(exc).splitlines()[0]} "
+                                + _budget_advice(config, batch)) from exc
+
+
 def make_optimizer(config: Any, params: Any) -> torch.optim.Optimizer:
     """The optimizer named by config.optimizer, at config.lr (the schedule changes it every step)."""
     if config.optimizer == "sgd":
@@ -127,9 +168,12 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def memory_fields(device: torch.device) -> dict[str, float]:
-    """rss_mb (this process) and, on CUDA, cuda_peak_mb (peak allocated since the start)."""
-    fields = {"rss_mb": _rss_bytes() / 2**20}
+def memory_fields(device: torch.device, baseline: int = 0) -> dict[str, float]:
+    """rss_mb (this process), peak_growth_mb (peak resident memory above `baseline` bytes) and, on CUDA,
+    cuda_peak_mb (peak allocated since the start)."""
+    import resource
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kilobytes
+    fields = {"rss_mb": _rss_bytes() / 2**20, "peak_growth_mb": max(0, peak - baseline) / 2**20}
     if device.type == "cuda":
         fields["cuda_peak_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     return fields

@@ -75,7 +75,6 @@ class RankSpec:
     run_dir: Path
     backend: str = "auto"
     pg_timeout_s: float = 120.0
-    tensorboard: bool = False
     config: Any = None  # a RunConfig, or None for a plain function
     env: tuple[tuple[str, str], ...] = ()  # extra environment for this rank only (applied last: it wins)
 
@@ -170,7 +169,7 @@ def _init(spec: RankSpec, beats: Heartbeats, port: Any) -> tuple[Any, RankContex
         device = torch.device("cuda", spec.rank)
         torch.cuda.set_device(device)
     dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
-    recorder = RankRecorder(spec.run_dir, spec.rank, tensorboard=spec.tensorboard)
+    recorder = RankRecorder(spec.run_dir, spec.rank)
     ctx = RankContext(rank=spec.rank, world_size=spec.world_size, local_rank=spec.rank, backend=backend,
                       device=device, run_dir=spec.run_dir, config=spec.config, recorder=recorder, heartbeats=beats)
     beats.beat(spec.rank, state=RUNNING)

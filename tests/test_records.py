@@ -8,8 +8,8 @@ from labkit.records import Run, per_step, write_meta
 
 def test_global_throughput_is_all_samples_over_the_slowest_rank():
     df = pd.DataFrame([
-        {"rank": 0, "step": 0, "loss": 2.0, "loss_mean": 2.5, "lr": 0.1, "samples": 8, "tokens": 80, "t_step": 0.1},
-        {"rank": 1, "step": 0, "loss": 3.0, "loss_mean": 2.5, "lr": 0.1, "samples": 8, "tokens": 80, "t_step": 0.2},
+        {"rank": 0, "step": 0, "loss": 2.0, "lr": 0.1, "samples": 8, "tokens": 80, "t_step": 0.1},
+        {"rank": 1, "step": 0, "loss": 3.0, "lr": 0.1, "samples": 8, "tokens": 80, "t_step": 0.2},
     ])
     row = per_step(df).iloc[0]
     assert row["samples_per_s"] == pytest.approx(16 / 0.2)
@@ -19,7 +19,7 @@ def test_global_throughput_is_all_samples_over_the_slowest_rank():
 
 def test_a_line_cut_by_a_crash_is_skipped_and_summary_reads_the_rest(tmp_path):
     write_meta(tmp_path, name="x", world_size=1, launched_at=100.0)
-    lines = [json.dumps({"rank": 0, "step": s, "time": 100.5 + s, "loss": 1.0 / (s + 1), "loss_mean": 1.0 / (s + 1),
+    lines = [json.dumps({"rank": 0, "step": s, "time": 100.5 + s, "loss": 1.0 / (s + 1),
                          "lr": 0.1, "samples": 4, "tokens": 0, "t_step": 0.5}) for s in range(3)]
     (tmp_path / "rank0.jsonl").write_text("\n".join(lines) + '\n{"rank": 0, "step": 3, "lo')
     run = Run(tmp_path)
@@ -34,3 +34,20 @@ def test_a_line_cut_by_a_crash_is_skipped_and_summary_reads_the_rest(tmp_path):
 def test_missing_run_directory_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no run directory"):
         Run(tmp_path / "nope")
+
+
+def test_tensorboard_events_are_made_from_the_records(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from labkit.records import RankRecorder, write_tensorboard
+    for rank in range(2):
+        recorder = RankRecorder(tmp_path, rank)
+        for step in range(3):
+            recorder.write({"step": step, "time": 1000.0 + step, "loss": rank + step / 10, "ok": True})
+        recorder.close()
+    write_tensorboard(tmp_path)
+    write_tensorboard(tmp_path)  # rewriting replaces, it does not append a second copy
+    events = EventAccumulator(str(tmp_path / "tb" / "rank1"))
+    events.Reload()
+    assert events.Tags()["scalars"] == ["loss"]  # booleans and bookkeeping fields are not scalars
+    assert [(e.step, round(e.value, 4)) for e in events.Scalars("loss")] == [(0, 1.0), (1, 1.1), (2, 1.2)]
