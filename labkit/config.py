@@ -107,6 +107,8 @@ class RunConfig:
     """"fp32" | "bf16" | "fp16" (autocast; fp16 also uses a GradScaler)."""
     seed: int = 0
     """Seeds model init and the data stream; equal on every rank."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms(True) (and cuDNN/cuBLAS settings on GPUs): see labkit.seeding."""
     backend: str = "auto"
     """"auto" picks nccl when CUDA is available for every rank, else gloo."""
     strategy: str = "ddp"

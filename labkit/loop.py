@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .commhooks import install_comm_hook, single_bucket_mb
 from .faults import inject, nan_factor
 from .schedule import lr_for_config
+from .seeding import seed_everything, set_deterministic
 from .tasks import Task, make_task
 
 
@@ -44,9 +45,12 @@ def train(ctx: Any, config: Any = None) -> None:
     config = config or ctx.config
     if config is None:
         raise ValueError("train needs a RunConfig: launch(RunConfig(...)) or launch(train, config=cfg)")
-    torch.manual_seed(config.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+    if config.deterministic:
+        set_deterministic(True)
+    seed_everything(config.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     task = make_task(config, ctx.world_size)
     model = task.build_model().to(ctx.device)
+    seed_everything(config.seed, rank=ctx.rank)  # from here on (dropout, augmentation): a stream per rank
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
               bucket_cap_mb=_bucket_cap_mb(config, model, ctx))
     comm = install_comm_hook(ddp, config.comm_hook, powersgd_rank=config.powersgd_rank)
