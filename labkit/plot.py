@@ -71,3 +71,22 @@ def _activate_notebook_display() -> None:
     from IPython.core.pylabtools import print_figure
     png = get_ipython().display_formatter.formatters["image/png"]
     png.for_type(Figure, lambda fig: print_figure(fig, "png", bbox_inches="tight"))
+
+
+def curves(runs: Sequence[Run], column: str, *, x: str = "step", labels: Sequence[str] | None = None,
+           title: str | None = None, ylabel: str | None = None) -> Figure:
+    """One recorded quantity of several runs (mean over ranks), one line each:  curves(runs, "eval_accuracy")."""
+    _activate_notebook_display()
+    fig = Figure(figsize=(7.5, 4.2), layout="constrained")
+    ax = fig.subplots()
+    labels = list(labels) if labels is not None else [r.name for r in runs]
+    for run, label, color in zip(runs, labels, COLORS * 4):
+        df = run.read_records()
+        if column not in df:
+            raise KeyError(f"run {run.name!r} recorded no {column!r}; it has {sorted(df.columns)}")
+        points = df.dropna(subset=[column]).groupby(x)[column].mean()
+        ax.plot(points.index, points.values, "o-", markersize=3, color=color, label=label)
+    ax.set(xlabel=x, ylabel=ylabel or column, title=title or f"{column} (mean over ranks)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
