@@ -132,13 +132,15 @@ class Run:
         return per_step(self.df if df is None else df)
 
     def summary(self) -> dict[str, float]:
-        """Headline figures: median global throughput (steps after the first), final loss, time to first step."""
+        """Headline figures: global throughput over the whole run and its per-step median (steps after the first),
+    final loss, time to first step."""
         steps = self.steps()
         launched = self.meta.get("launched_at")
         first = self.df["time"].min() if "time" in self.df and len(self.df) else math.nan
         later = steps[steps["step"] > steps["step"].min()] if len(steps) > 1 else steps
         return {
             "steps": int(len(steps)),
+            "samples_per_s": whole_run_throughput(self.df),
             "median_samples_per_s": float(later["samples_per_s"].median()) if len(later) else math.nan,
             "median_tokens_per_s": float(later["tokens_per_s"].median()) if "tokens_per_s" in later else math.nan,
             "final_loss": float(steps["loss"].iloc[-1]) if len(steps) else math.nan,
@@ -182,6 +184,17 @@ def per_step(df: pd.DataFrame) -> pd.DataFrame:
         if extra in df:
             out[extra] = g[extra].mean()
     return out.reset_index()
+
+
+def whole_run_throughput(df: pd.DataFrame) -> float:
+    """Global samples/s after the first step: all samples / the slowest rank's total time. Unlike the median of
+    per-step rates (each over that step's slowest rank), jitter between ranks' step boundaries does not bias it."""
+    if df.empty or "t_step" not in df or "samples" not in df:
+        return math.nan
+    later = df[df["step"] > df["step"].min()]
+    if later.empty:
+        later = df
+    return float(later["samples"].sum() / later.groupby("rank")["t_step"].sum().max())
 
 
 def load_run(path: str | Path) -> Run:
