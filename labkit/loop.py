@@ -84,6 +84,7 @@ def train(ctx: Any, config: Any = None) -> None:
         if config.stop_on_nan and not math.isfinite(loss):
             raise NonFiniteLoss(f"loss is {loss} at step {step} on rank {ctx.rank}; "
                                 "lower the LR, clip gradients (clip_norm) or warm up")
+    getattr(task, "close", lambda: None)()  # stop DataLoader workers after the last step, not inside it
     if config.save_final:
         (ctx.run_dir / "final").mkdir(exist_ok=True)
         torch.save(model.state_dict(), ctx.run_dir / "final" / f"rank{ctx.rank}.pt")

@@ -114,6 +114,7 @@ class Digits(Task):
     def __init__(self, config: Any, world_size: int | None = None):
         super().__init__(config, world_size)
         self.x_train, self.y_train, self.x_test, self.y_test = digits_data()
+        self._streams: dict[int, Any] = {}  # rank -> data.DigitsStream, made on first use (in the rank)
 
     def build_model(self) -> nn.Module:
         width = MLP_WIDTH[self.config.model_size]
@@ -121,16 +122,23 @@ class Digits(Task):
                              nn.Linear(width, 10))
 
     def batch(self, step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n, size = len(self.x_train), self.config.global_batch
-        positions = torch.arange(step * size, (step + 1) * size)[self.rows(micro, rank)]
-        # Each epoch is its own shuffle of the training set, fixed by (seed, epoch).
-        epochs = positions // n
-        index = torch.empty_like(positions)
-        for epoch in epochs.unique().tolist():
-            order = torch.randperm(n, generator=_generator(self.config.seed, 10**6 + epoch))
-            mask = epochs == epoch
-            index[mask] = order[positions[mask] % n]
+        if self.config.data_workers or self.config.sample_cost_ms:
+            return self._stream(rank).batch(step, micro)  # the DataLoader pipeline: the same rows, same order
+        index = digits_indices(self.config.seed, len(self.x_train), self.config.global_batch, step,
+                               self.rows(micro, rank))
         return self.x_train[index], self.y_train[index]
+
+    def close(self) -> None:
+        """Stop any DataLoader workers now (they also stop after the run's last batch)."""
+        for stream in self._streams.values():
+            stream.close()
+        self._streams.clear()
+
+    def _stream(self, rank: int) -> Any:
+        if rank not in self._streams:
+            from .data import DigitsStream  # workers are started here, in the rank, not in the launcher
+            self._streams[rank] = DigitsStream(self.config, self.world_size, rank, self.x_train, self.y_train)
+        return self._streams[rank]
 
     def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
         logits = model(inputs)
@@ -141,6 +149,26 @@ class Digits(Task):
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         logits = model(self.x_test)
         return {"eval_accuracy": (logits.argmax(-1) == self.y_test).float().mean().item()}
+
+
+def digits_indices(seed: int, n: int, global_batch: int, step: int, rows: slice) -> torch.Tensor:
+    """Training-image indices of the rows `rows` of step `step`'s global batch:
+    digits_indices(seed=0, n=1437, global_batch=32, step=5, rows=slice(0, 16)).
+
+    The stream of samples runs through epochs, each its own shuffle of the n images, fixed by (seed, epoch)."""
+    positions = torch.arange(step * global_batch, (step + 1) * global_batch)[rows]
+    epochs = positions // n
+    index = torch.empty_like(positions)
+    for epoch in epochs.unique().tolist():
+        mask = epochs == epoch
+        index[mask] = epoch_order(seed, n, epoch)[positions[mask] % n]
+    return index
+
+
+@lru_cache(maxsize=8)
+def epoch_order(seed: int, n: int, epoch: int) -> torch.Tensor:
+    """The shuffle of n training images used in `epoch` (cached: every step of an epoch reads it)."""
+    return torch.randperm(n, generator=_generator(seed, 10**6 + epoch))
 
 
 @lru_cache(maxsize=1)

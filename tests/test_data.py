@@ -1,0 +1,135 @@
+"""The digits DataLoader pipeline: the rows of in-memory slicing, deterministic per-sample work, workers that end."""
+import time
+
+import psutil
+import pytest
+import torch
+
+import labkit
+from labkit import Fault, RunConfig
+from labkit.data import CpuMeter, DigitsSamples, DigitsStream, StepBatchSampler, cores_busy, sample_work, step_split
+from labkit.tasks import digits_data, make_task
+
+from .conftest import leftover_processes
+
+BASE = RunConfig(task="digits", world_size=1, global_batch=64, steps=30, tensorboard=False, save_final=False)
+
+
+@pytest.mark.parametrize("world, accum", [(1, 1), (2, 1), (2, 2), (4, 1), (1, 4)])
+@pytest.mark.parametrize("workers, cost", [(0, 0.05), (2, 0.0)])
+def test_the_loader_delivers_the_rows_of_in_memory_slicing(world, accum, workers, cost, no_leftovers):
+    memory = make_task(BASE.replace(world_size=world, grad_accum=accum))
+    loaded = make_task(BASE.replace(world_size=world, grad_accum=accum, data_workers=workers, sample_cost_ms=cost))
+    # steps 21-23 cross the end of the first loader epoch (1437 // 64 = 22 steps) and of the first pass over the
+    # 1437 images (a new shuffle starts inside step 22); asked for out of order, the stream seeks
+    for rank in range(world):
+        for step in (0, 21, 22, 23):
+            for micro in range(accum):
+                x, y = loaded.batch(step, micro, rank)
+                x0, y0 = memory.batch(step, micro, rank)
+                assert torch.equal(x, x0) and torch.equal(y, y0), (rank, step, micro)
+    loaded.close()
+
+
+def test_the_stream_in_loop_order_covers_every_step_and_stops_its_workers(no_leftovers):
+    cfg = BASE.replace(world_size=2, grad_accum=2, steps=25, data_workers=2)
+    memory, stream = make_task(cfg.replace(data_workers=0)), DigitsStream(cfg, world_size=2, rank=1)
+    for step in range(cfg.steps):
+        for micro in range(cfg.grad_accum):
+            x, y = stream.batch(step, micro)
+            assert torch.equal(y, memory.batch(step, micro, 1)[1])
+        if step == 3:
+            assert len(leftover_processes()) == 2, "two workers while the run goes"
+    assert stream.epochs_started == 2          # 25 steps of 64: one loader epoch of 22 steps, then the rest
+    assert leftover_processes() == [], "the workers stop after the run's last batch"
+
+
+def test_persistent_workers_are_started_once_and_deliver_the_same_rows(no_leftovers):
+    cfg = BASE.replace(global_batch=256, steps=12, data_workers=2, persistent_workers=True, prefetch_factor=1)
+    memory, stream = make_task(cfg.replace(data_workers=0, persistent_workers=False)), DigitsStream(cfg, 1, 0)
+    pids = set()
+    for step in range(cfg.steps):
+        x, y = stream.batch(step)
+        assert torch.equal(x, memory.batch(step, 0, 0)[0])
+        pids |= {p.pid for p in leftover_processes()}
+    assert stream.epochs_started == 3 and len(pids) == 2  # 3 epochs of 5 steps (the last cut short), 2 processes
+
+
+def test_the_global_batch_is_the_same_whatever_the_split_with_the_loader(no_leftovers):
+    def global_batch(cfg, step):
+        task = make_task(cfg)
+        parts = [task.batch(step, m, r) for m in range(cfg.grad_accum) for r in range(cfg.world_size)]
+        task.close()
+        return torch.cat([p[1] for p in parts])
+
+    a = global_batch(BASE, 5)
+    b = global_batch(BASE.replace(world_size=4, grad_accum=2, data_workers=1), 5)
+    assert torch.equal(a, b)
+
+
+def test_sample_work_is_deterministic_and_costs_the_cpu_time_asked_for():
+    images = digits_data()[0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = sample_work(images[3], seed=0, position=11, cost_ms=0.5)
+        assert torch.equal(a, sample_work(images[3], seed=0, position=11, cost_ms=2.0))  # the cost is not the warp
+        assert not torch.equal(a, sample_work(images[3], seed=0, position=12, cost_ms=0.5))
+        assert not torch.equal(a, sample_work(images[3], seed=1, position=11, cost_ms=0.5))
+        assert a.shape == (64,) and 0 <= a.min() and a.max() <= 1
+        started = time.thread_time()
+        for position in range(20):
+            sample_work(images[position], seed=0, position=position, cost_ms=2.0)
+        per_sample_ms = (time.thread_time() - started) / 20 * 1e3
+        assert 2.0 <= per_sample_ms < 3.0, per_sample_ms
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_dataset_hands_back_the_image_unless_asked_to_augment():
+    images, labels = digits_data()[:2]
+    plain = DigitsSamples(images, labels, seed=0, cost_ms=0.1)
+    warped = DigitsSamples(images, labels, seed=0, cost_ms=0.1, augment=True)
+    x, y, position = plain[(5, 1000)]
+    assert torch.equal(x, images[5]) and y == labels[5] and position == 1000
+    w, _, _ = warped[(5, 1000)]
+    assert not torch.equal(w, images[5]) and torch.equal(w, warped[(5, 1000)][0])
+
+
+def test_the_sampler_yields_the_rows_of_each_micro_batch_from_where_it_is_told():
+    sampler = StepBatchSampler(seed=0, n=1437, global_batch=32, world_size=2, grad_accum=2, rank=1)
+    sampler.set_steps(3, 5, micro=1)
+    keys = list(sampler)
+    assert len(keys) == len(sampler) == 3          # (3, 1), (4, 0), (4, 1)
+    assert [k[0][1] for k in keys] == [3 * 32 + 24, 4 * 32 + 8, 4 * 32 + 24]   # positions: rows (m * 2 + 1) * 8
+    assert all(len(k) == 8 for k in keys)
+
+
+def test_cores_busy_reads_the_samples_between_two_times():
+    meter = CpuMeter()
+    meter.samples = [(0.0, 0.0, 0.0), (1.0, 1.5, 1.75), (2.0, 3.0, 3.5)]
+    assert meter.cores_busy(0.5, 1.5) == (1.5, 0.25)
+
+
+def test_a_launch_with_workers_records_t_data_trains_the_same_and_leaves_nothing(runs_root, no_leftovers):
+    cfg = RunConfig(task="digits", world_size=2, global_batch=32, steps=8, tensorboard=False, save_final=False)
+    with CpuMeter() as meter:
+        loaded = labkit.launch(cfg.replace(data_workers=2, sample_cost_ms=0.2), runs_root=runs_root, echo=False,
+                               progress=False)
+    assert leftover_processes() == []
+    plain = labkit.launch(cfg, runs_root=runs_root, echo=False, progress=False)
+    assert (loaded.df["t_data"] > 0).all() and len(loaded.df) == 16
+    assert loaded.steps()["loss"].tolist() == plain.steps()["loss"].tolist()  # the same samples, bit for bit
+    split = step_split(loaded, warmup=2)
+    assert split["t_data"] > 0 and split["t_step"] >= split["t_data"]
+    ours, others = cores_busy(loaded, meter, warmup=2)
+    assert 0 < ours < psutil.cpu_count() + 0.5 and others >= 0
+
+
+def test_a_rank_that_fails_takes_its_workers_with_it(runs_root, no_leftovers):
+    cfg = RunConfig(task="digits", world_size=2, global_batch=32, steps=8, data_workers=2, sample_cost_ms=0.1,
+                    faults=(Fault(kind="raise", rank=1, step=3),), tensorboard=False, save_final=False)
+    with pytest.raises(labkit.RankFailure) as failure:
+        labkit.launch(cfg, runs_root=runs_root, echo=False, progress=False)
+    assert (failure.value.rank, failure.value.step) == (1, 3)
+    assert leftover_processes() == []
