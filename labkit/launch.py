@@ -256,7 +256,10 @@ def _watch(procs: list[Any], beats: Heartbeats, run_dir: Path, timeout: float, s
             return classify_exits(procs, beats, run_dir, failed)
         if all(c == 0 for c in codes):
             return None
-        stale = [r for r, c in enumerate(codes) if c is None and _is_stale(beats, r, timeout, startup_timeout)]
+        alive = [r for r, c in enumerate(codes) if c is None]
+        stale = [r for r in alive if _is_stale(beats, r, timeout, startup_timeout)]
+        if not stale and _all_stuck_finishing(beats, alive, timeout):
+            stale = alive
         if stale:
             view.mute()  # the stack dumps that follow go into the failure, not the notebook's output
             return diagnose_hang(procs, beats, run_dir, timeout)
@@ -268,6 +271,13 @@ def _is_stale(beats: Heartbeats, rank: int, timeout: float, startup_timeout: flo
     if state in (FINISHING, DONE):
         return False  # finished its work; waiting for the others is not its fault
     return time.time() - beat > (timeout if state >= RUNNING else startup_timeout)
+
+
+def _all_stuck_finishing(beats: Heartbeats, alive: list[int], timeout: float) -> bool:
+    """Every live rank has finished its work, yet none has left for `timeout` seconds (stuck in teardown)."""
+    rows = [beats.read(r) for r in alive]
+    return bool(rows) and all(state == FINISHING for _, _, state, _ in rows) \
+        and time.time() - max(beat for beat, _, _, _ in rows) > timeout
 
 
 def _stop(procs: list[Any]) -> None:

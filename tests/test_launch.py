@@ -174,3 +174,17 @@ def test_the_cuda_tracker_names_the_call_that_initialised_cuda(monkeypatch):
         wrapper()
     user_cell_touching_cuda()
     assert "user_cell_touching_cuda" in cuda_guard.cuda_init_culprit()
+
+
+def test_ranks_stuck_after_their_work_are_reported_not_waited_for(monkeypatch, runs_root, no_leftovers):
+    from labkit import rank as rank_module
+
+    def stuck_teardown(store, spec):
+        time.sleep(60)  # e.g. a destroy_process_group that never returns
+    monkeypatch.setattr(rank_module, "_finish", stuck_teardown)  # forked ranks inherit the patch
+    started = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        launch(_cell_function(), world_size=2, start_method="fork", timeout=2, runs_root=runs_root, echo=False)
+    assert time.monotonic() - started < 2 + 5
+    assert all(s.state in ("waiting", "hung") for s in info.value.statuses)
+    assert "finished" in str(info.value)
