@@ -1,0 +1,83 @@
+import numpy as np
+import pytest
+
+from labkit import RunConfig
+from labkit.scaling import (global_batch, grad_accum_to_fit, linear_scaling_lr, loss_near, oversubscribed,
+                            scaling_efficiency, speedup, warmup_steps_for)
+
+
+def test_global_batch_is_world_times_per_rank_times_accumulation():
+    assert global_batch(2, 16) == 32
+    assert global_batch(world_size=8, batch_per_rank=32, grad_accum=2) == 512
+    cfg = RunConfig.per_rank(batch_per_rank=16, world_size=2, grad_accum=4)
+    assert global_batch(cfg.world_size, cfg.batch_per_rank, cfg.grad_accum) == cfg.global_batch == 128
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_global_batch_rejects_non_positive_integers_by_name(bad):
+    with pytest.raises(ValueError, match="grad_accum"):
+        global_batch(2, 16, bad)
+
+
+def test_scaling_efficiency_is_throughput_over_n_times_one_rank():
+    eff = scaling_efficiency({1: 1000.0, 2: 1800.0, 4: 2000.0})
+    assert eff == pytest.approx({1: 1.0, 2: 0.9, 4: 0.5})
+    assert list(eff) == [1, 2, 4]
+    assert speedup({4: 2000.0, 1: 1000.0}) == pytest.approx({1: 1.0, 4: 2.0})
+
+
+def test_scaling_efficiency_accepts_numpy_numbers():
+    eff = scaling_efficiency({np.int64(1): np.float64(10.0), np.int64(2): np.float64(15.0)})
+    assert eff == {1: 1.0, 2: 0.75} and all(type(k) is int and type(v) is float for k, v in eff.items())
+
+
+def test_scaling_efficiency_needs_one_rank_and_positive_throughputs():
+    with pytest.raises(ValueError, match="world size 1"):
+        scaling_efficiency({2: 1.0, 4: 1.0})
+    with pytest.raises(ValueError, match="throughput at world 2"):
+        scaling_efficiency({1: 1.0, 2: float("nan")})
+    with pytest.raises(ValueError, match="world size"):
+        scaling_efficiency({1: 1.0, 0: 1.0})
+
+
+def test_linear_scaling_rule_multiplies_the_lr_by_the_batch_ratio():
+    assert linear_scaling_lr(0.1, base_batch=256, batch=8192) == pytest.approx(3.2)   # Goyal et al.'s k = 32
+    assert linear_scaling_lr(0.03, base_batch=32, batch=256) == pytest.approx(0.24)
+    assert linear_scaling_lr(0.2, base_batch=64, batch=32) == pytest.approx(0.1)      # smaller batch: smaller lr
+    assert linear_scaling_lr(0.2, base_batch=64, batch=64) == 0.2
+    with pytest.raises(ValueError, match="base_lr"):
+        linear_scaling_lr(0.0, base_batch=32, batch=64)
+    with pytest.raises(ValueError, match="batch"):
+        linear_scaling_lr(0.1, base_batch=32, batch=0)
+
+
+def test_warmup_steps_cover_the_same_samples_at_any_batch():
+    assert warmup_steps_for(samples=1437, global_batch=256) == 6
+    assert warmup_steps_for(samples=1437, global_batch=32) == 45
+    assert warmup_steps_for(samples=10, global_batch=256) == 1   # never zero steps
+
+
+def test_grad_accum_to_fit_keeps_the_global_batch_and_splits_evenly():
+    assert grad_accum_to_fit(global_batch=512, world_size=2, max_batch_per_rank=64) == 4
+    assert grad_accum_to_fit(global_batch=512, world_size=2, max_batch_per_rank=256) == 1
+    assert grad_accum_to_fit(global_batch=512, world_size=2, max_batch_per_rank=100) == 4   # 128 > 100, 64 fits
+    assert grad_accum_to_fit(global_batch=96, world_size=2, max_batch_per_rank=20) == 3     # 48 = 3 x 16
+    assert grad_accum_to_fit(global_batch=14, world_size=2, max_batch_per_rank=3) == 7      # 7 is prime: 1 each
+    for accum in (grad_accum_to_fit(1024, 4, m) for m in (1, 7, 50, 256)):
+        RunConfig(world_size=4, global_batch=1024, grad_accum=accum)                         # RunConfig accepts it
+    with pytest.raises(ValueError, match="does not split"):
+        grad_accum_to_fit(global_batch=513, world_size=2, max_batch_per_rank=64)
+
+
+def test_loss_near_averages_the_window_of_samples_seen():
+    seen, loss = [32, 64, 96, 128], [4.0, 3.0, 2.0, 1.0]
+    assert loss_near(seen, loss, at=128, window=64) == pytest.approx(1.5)   # (64, 128]: the last two
+    assert loss_near(np.array(seen), np.array(loss), at=100, window=50) == pytest.approx(2.5)
+    with pytest.raises(ValueError, match="widen the window"):
+        loss_near(seen, loss, at=1000, window=10)
+    with pytest.raises(ValueError, match="window"):
+        loss_near(seen, loss, at=128, window=0)
+
+
+def test_oversubscribed_means_more_ranks_than_cores():
+    assert oversubscribed(4, 2) and not oversubscribed(2, 2) and not oversubscribed(1, 2)
