@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from labkit import comm
+from labkit.tricks import comm
 
 WARMUP, ITERS = 3, 20
 AGREE = 0.10

@@ -21,8 +21,9 @@ import time
 
 import psutil
 
-from labkit import RunConfig, launch, scaling
-from labkit.comm import usable_cores
+from labkit import RunConfig, launch
+from labkit.tricks import scaling
+from labkit.tricks.comm import usable_cores
 
 
 def measure(model_size: str, batch_per_rank: int, world: int, steps: int, runs_root: str) -> tuple[float, float]:

@@ -7,15 +7,23 @@
     two.summary()                       # median throughput, final loss, time to first step
 
 Your own function runs the same way: labkit.launch(fn, world_size=2), where fn(ctx) may be defined in a cell.
+
+The package, from the ground up (each room imports only from the rooms before it):
+    config.py, records.py   the base: what a run is, and what it leaves on disk
+    train/                  what runs inside a rank: the loop, tasks, data, schedules, comm hooks, faults, seeds
+    view/                   what a person looks at: figures, the live view
+    run/                    starting and watching ranks: launch, the rank's side, failure reports
+    measure/                measuring speed honestly: pinned cores, who else used them
+    tricks/                 the science behind each lesson
+    cli.py                  python -m labkit ...
 """
 from .config import ConfigError, Fault, RunConfig, pick, quick_mode
-from .launch import LaunchError, RankFailure, launch
-from .loop import NonFiniteLoss, train
-from .plot import compare
-from .rank import RankContext
 from .records import Run, load_run
+from .run import LaunchError, RankContext, RankFailure, launch
+from .train.loop import NonFiniteLoss, train
+from .view import compare, curves
 
 __version__ = "0.1.0"
 
 __all__ = ["RunConfig", "Fault", "ConfigError", "pick", "quick_mode", "launch", "LaunchError", "RankFailure",
-           "train", "NonFiniteLoss", "compare", "RankContext", "Run", "load_run"]
+           "train", "NonFiniteLoss", "compare", "curves", "RankContext", "Run", "load_run"]

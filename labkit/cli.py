@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     config = RunConfig.load(args.config)
     if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
         return run_under_torchrun(config, args.run_dir, args.timeout)
-    from .launch import launch
+    from .run.launch import launch
     result = launch(config, timeout=args.timeout, runs_root=args.run_dir.parent if args.run_dir else None)
     print(json.dumps(result.summary(), indent=2))
     return 0
@@ -47,9 +47,9 @@ def run_under_torchrun(config: RunConfig, run_dir: Path | None, timeout: float) 
     """This process is one rank that torchrun started: join its group, train, record, leave."""
     import torch
     import torch.distributed as dist
-    from .loop import train
-    from .rank import RankContext, resolve_backend
     from .records import RankRecorder, write_meta, write_tensorboard
+    from .run.rank import RankContext, resolve_backend
+    from .train.loop import train
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if world != config.world_size:

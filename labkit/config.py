@@ -169,6 +169,11 @@ class RunConfig:
         return self.global_batch // (self.world_size * self.grad_accum)
 
     @property
+    def loss_floor(self) -> float | None:
+        """The lowest loss any model can reach on this task, when it is known: ln(branching) for tinylm."""
+        return math.log(self.branching) if self.task == "tinylm" else None
+
+    @property
     def label(self) -> str:
         return self.name or f"{self.task} w{self.world_size} b{self.batch_per_rank}x{self.grad_accum}"
 

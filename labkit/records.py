@@ -5,7 +5,8 @@ On disk, one directory per run (the same layout under labkit's launcher and unde
     runs/<run-id>/config.json          the RunConfig (absent for a plain function launch)
     runs/<run-id>/meta.json            launch time, world size, start method, ...
     runs/<run-id>/rank<r>.jsonl        one JSON object per recorded step, flushed line by line
-    runs/<run-id>/rank<r>.log          the rank's stdout and stderr (and faulthandler dumps)
+    runs/<run-id>/rank<r>.log          the rank's stdout and stderr (and faulthandler dumps); a rank that raises
+                                       writes FAILURE_MARKER, then its traceback
     runs/<run-id>/rank<r>.error.json   written when the rank raised: step, exception, traceback
     runs/<run-id>/tb/rank<r>/          TensorBoard events, written from the records when the run ends
     runs/<run-id>/final/rank<r>.pt     final parameters (RunConfig.save_final)
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+
+FAILURE_MARKER = "labkit: this rank failed"  # heads the traceback in a rank's log (the live echo stops there)
 
 
 class RankRecorder:

@@ -6,7 +6,7 @@ import torch
 
 import labkit
 from labkit import RunConfig
-from labkit.averaging import Hogwild, LocalSGD, averages_at, shared_model, sync_ddp, timeline
+from labkit.tricks.averaging import Hogwild, LocalSGD, averages_at, shared_model, sync_ddp, timeline
 
 CFG = RunConfig(task="digits", world_size=2, global_batch=32, optimizer="sgd", lr=0.05, steps=7,
                 tensorboard=False, save_final=False)

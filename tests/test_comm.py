@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from labkit import comm
+from labkit.tricks import comm
 
 MiB = 1024 * 1024
 

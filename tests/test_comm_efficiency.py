@@ -8,8 +8,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import labkit
 from labkit import RunConfig
-from labkit.commhooks import powersgd_bytes
-from labkit.tasks import make_task
+from labkit.train.commhooks import powersgd_bytes
+from labkit.train.tasks import make_task
 
 
 @pytest.mark.parametrize("accum", [1, 2, 4, 8])

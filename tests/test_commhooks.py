@@ -4,8 +4,8 @@ import torch
 
 import labkit
 from labkit import RunConfig
-from labkit.commhooks import CommCounter, powersgd_bytes, single_bucket_mb
-from labkit.tasks import make_task
+from labkit.train.commhooks import CommCounter, powersgd_bytes, single_bucket_mb
+from labkit.train.tasks import make_task
 
 
 def test_counter_takes_and_resets():

@@ -7,8 +7,10 @@ import torch
 
 import labkit
 from labkit import Fault, RunConfig
-from labkit.data import CpuMeter, DigitsSamples, DigitsStream, StepBatchSampler, cores_busy, sample_work, step_split
-from labkit.tasks import digits_data, make_task
+from labkit.measure import CpuMeter
+from labkit.train.data import DigitsSamples, DigitsStream, StepBatchSampler, digits_data, sample_work
+from labkit.tricks.loading import cores_busy, step_split
+from labkit.train.tasks import make_task
 
 from .conftest import leftover_processes
 

@@ -1,7 +1,7 @@
 import torch
 
 import labkit
-from labkit import envcheck
+from labkit.tricks import envcheck
 
 
 def test_mismatches_name_exactly_the_fields_that_differ():

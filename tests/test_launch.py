@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import traceback
 import time
 
 import pytest
@@ -16,8 +17,8 @@ from labkit import ConfigError, Fault, LaunchError, RankFailure, RunConfig, laun
 
 from .conftest import leftover_processes
 
-launch_module = importlib.import_module("labkit.launch")  # the module; labkit.launch is the function
-cuda_guard = importlib.import_module("labkit.cuda_guard")
+launch_module = importlib.import_module("labkit.run.launch")  # the module; labkit.launch is the function
+cuda_guard = importlib.import_module("labkit.run.cuda_guard")
 
 # A function as a notebook cell defines it: its module is __main__, so it cannot be imported by name.
 CELL = textwrap.dedent("""
@@ -113,7 +114,7 @@ def test_bad_input_is_rejected_before_any_process_starts(runs_root, no_leftovers
 def test_fork_is_refused_and_auto_spawns_when_cuda_is_initialised(monkeypatch, runs_root, no_leftovers):
     monkeypatch.setattr(cuda_guard, "cuda_is_initialised", lambda: True)
     monkeypatch.setattr(cuda_guard, "_cuda_initialised_before_labkit", False)
-    monkeypatch.setattr(cuda_guard, "_cuda_init_stack", ['  File "my_cell.py", line 3, in <module>\n'])
+    monkeypatch.setattr(cuda_guard, "_cuda_init_stack", [traceback.FrameSummary("my_cell.py", 3, "<module>")])
     with pytest.raises(LaunchError, match="my_cell.py"):
         launch(_cell_function(), world_size=1, start_method="fork", runs_root=runs_root)
     assert launch_module.choose_start_method("auto") == "spawn"
@@ -177,7 +178,7 @@ def test_the_cuda_tracker_names_the_call_that_initialised_cuda(monkeypatch):
 
 
 def test_ranks_stuck_after_their_work_are_reported_not_waited_for(monkeypatch, runs_root, no_leftovers):
-    from labkit import rank as rank_module
+    from labkit.run import rank as rank_module
 
     def stuck_teardown(store, spec):
         time.sleep(60)  # e.g. a destroy_process_group that never returns

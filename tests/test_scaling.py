@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from labkit import RunConfig
-from labkit.scaling import (global_batch, grad_accum_to_fit, linear_scaling_lr, loss_near, oversubscribed,
+from labkit.tricks.scaling import (global_batch, grad_accum_to_fit, linear_scaling_lr, loss_near, oversubscribed,
                             scaling_efficiency, speedup, warmup_steps_for)
 
 

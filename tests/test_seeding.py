@@ -8,7 +8,7 @@ import torch
 
 import labkit
 from labkit import RunConfig
-from labkit.seeding import rank_seed, rng_fingerprint, seed_everything
+from labkit.train.seeding import rank_seed, rng_fingerprint, seed_everything
 
 # Fields that measure the machine, not the computation: they differ between any two runs.
 TIMING_FIELDS = {"time", "t_data", "t_fwd_bwd", "t_optim", "t_step", "rss_mb", "peak_growth_mb"}

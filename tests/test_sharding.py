@@ -5,7 +5,7 @@ import time
 import pytest
 
 import labkit
-from labkit import sharding
+from labkit.tricks import sharding
 
 from .conftest import leftover_processes
 

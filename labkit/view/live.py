@@ -1,8 +1,8 @@
 """What the launcher shows while ranks run: their output, a progress line, and (optionally) the live figure.
 
-Used by launch(); nothing here touches the ranks. In Jupyter the progress line and the figure update in place
-(display handles); in a terminal the progress line is redrawn on stderr; elsewhere (pytest, CI) only the ranks'
-output is echoed. Redrawing a figure costs CPU that the ranks would otherwise use, so `live` is off by default
+Used by launch(), which hands it the steps each rank has recorded; nothing here touches the ranks. In Jupyter
+the progress line and the figure update in place (display handles); in a terminal the progress line is redrawn
+on stderr; elsewhere (pytest, CI) only the ranks' output is echoed. Redrawing a figure costs CPU that the ranks would otherwise use, so `live` is off by default
 and redraws at most once a second: keep it off for runs whose throughput you want to measure.
 """
 from __future__ import annotations
@@ -12,23 +12,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .rank import Heartbeats
+from ..records import FAILURE_MARKER, Run
+from .figures import compare_figure
+from .show import in_notebook, png_bytes
 
 PROGRESS_EVERY_S = 0.25
 PLOT_EVERY_S = 1.0
 
 
-def in_notebook() -> bool:
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and hasattr(shell, "kernel")
-
-
 class LiveView:
-    """Echo rank output, show progress, redraw the live figure:  view.update(beats) ... view.close()."""
+    """Echo rank output, show progress, redraw the live figure:  view.update(recorded) ... view.close().
+
+    `recorded` is the last step each rank has recorded (-1 before its first record)."""
 
     def __init__(self, run_dir: Path, world_size: int, total_steps: int | None, *, echo: bool = True,
                  progress: bool = True, live: bool = False, compare_with: tuple[Any, ...] = ()):
@@ -36,22 +31,23 @@ class LiveView:
         self.echo, self.compare_with = echo, compare_with
         self.offsets = [0] * world_size
         self.partial = [""] * world_size
+        self.failed = [False] * world_size  # a rank's failure text is not echoed: the launcher's report has it
         self.notebook = in_notebook()
         self.progress = progress and (self.notebook or sys.stderr.isatty())
         self.live = live and self.notebook
         self.started = time.time()
         self._last_progress = self._last_plot = 0.0
         self._progress_handle = self._plot_handle = None
-        self._beats: Heartbeats | None = None
+        self._recorded: list[int] | None = None
 
-    def update(self, beats: Heartbeats, force: bool = False) -> None:
-        self._beats = beats
+    def update(self, recorded: list[int], force: bool = False) -> None:
+        self._recorded = list(recorded)
         now = time.time()
         if self.echo:
             self._echo()
         if self.progress and (force or now - self._last_progress >= PROGRESS_EVERY_S):
             self._last_progress = now
-            self._show_progress(beats)
+            self._show_progress(self._recorded)
         if self.live and (force or now - self._last_plot >= PLOT_EVERY_S):
             self._last_plot = now
             self._show_plot()
@@ -63,15 +59,20 @@ class LiveView:
         self.echo = False
 
     def close(self) -> None:
-        if self._beats is not None:
-            self.update(self._beats, force=True)
+        if self._recorded is not None:
+            self.update(self._recorded, force=True)
         elif self.echo:
             self._echo()
         if self.progress and not self.notebook:
             sys.stderr.write("\n")
 
     def _echo(self) -> None:
+        """Print what each rank wrote since the last look, prefixed by its rank, up to where it failed: the cause's
+        traceback comes in the launcher's failure report, and a peer's echo of the failure ("connection closed")
+        would only bury it; every rank's full text stays in its log."""
         for rank in range(self.world_size):
+            if self.failed[rank]:
+                continue
             path = self.run_dir / f"rank{rank}.log"
             try:
                 with open(path, "rb") as f:
@@ -83,10 +84,13 @@ class LiveView:
             lines = (self.partial[rank] + chunk.decode(errors="replace")).split("\n")
             self.partial[rank] = lines.pop()  # keep an unfinished line for the next look
             for line in lines:
+                if line.startswith((FAILURE_MARKER, "Fatal Python error")):
+                    self.failed[rank] = True
+                    break
                 print(f"[rank {rank}] {line}")
 
-    def _progress_text(self, beats: Heartbeats) -> str:
-        recorded = [beats.read(r)[3] + 1 for r in range(self.world_size)]
+    def _progress_text(self, recorded_steps: list[int]) -> str:
+        recorded = [step + 1 for step in recorded_steps]
         done = min(recorded)
         elapsed = time.time() - self.started
         if self.total_steps:
@@ -98,8 +102,8 @@ class LiveView:
             head = f"{self.run_dir.name}  steps recorded per rank: {recorded}"
         return f"{head}  {elapsed:5.1f} s"
 
-    def _show_progress(self, beats: Heartbeats) -> None:
-        text = self._progress_text(beats)
+    def _show_progress(self, recorded: list[int]) -> None:
+        text = self._progress_text(recorded)
         if self.notebook:
             from IPython.display import display
             if self._progress_handle is None:
@@ -112,10 +116,8 @@ class LiveView:
 
     def _show_plot(self) -> None:
         from IPython.display import display
-        from .plot import compare
-        from .records import Run
-        fig = compare([*self.compare_with, Run(self.run_dir)])
+        image = {"image/png": png_bytes(compare_figure([*self.compare_with, Run(self.run_dir)]))}
         if self._plot_handle is None:
-            self._plot_handle = display(fig, display_id=True)
+            self._plot_handle = display(image, raw=True, display_id=True)
         else:
-            self._plot_handle.update(fig)
+            self._plot_handle.update(image, raw=True)

@@ -16,12 +16,12 @@ a long stretch without either (longer than launch's `timeout`) is reported as a 
 """
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import json
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -30,6 +30,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from ..records import FAILURE_MARKER, RankRecorder
+
+LAUNCHER_POLL_S = 0.1  # how often a rank checks that its launcher is still alive
 
 # Rank states in the shared heartbeat table. STARTING: created, maybe still importing (spawn);
 # INITIALISING: ours from here on (stack dumps work), joining the process group; RUNNING: in the function.
@@ -77,6 +81,7 @@ class RankSpec:
     pg_timeout_s: float = 120.0
     config: Any = None  # a RunConfig, or None for a plain function
     env: tuple[tuple[str, str], ...] = ()  # extra environment for this rank only (applied last: it wins)
+    launcher_pid: int = 0  # the process that started the ranks: when it is gone, the rank takes its group down
 
 
 @dataclass
@@ -125,7 +130,7 @@ def resolve_backend(requested: str, world_size: int) -> str:
 
 def rank_main(fn: Callable[[RankContext], Any], spec: RankSpec, beats: Heartbeats, port: Any) -> None:
     """Entry point of a launched rank (fork): set up, run fn(ctx), record any failure, and exit."""
-    _detach_from_parent()
+    _detach_from_parent(spec.launcher_pid)
     torch.set_num_threads(1)  # one thread per rank; also avoids the fork-after-threads hang
     _redirect_output(spec.run_dir / f"rank{spec.rank}.log")
     faulthandler.enable(file=sys.stderr, all_threads=True)  # a segfault leaves a Python traceback in the log
@@ -159,7 +164,6 @@ def spawn_main(payload: bytes, spec: RankSpec, beats: Heartbeats, port: Any) -> 
 
 def _init(spec: RankSpec, beats: Heartbeats, port: Any) -> tuple[Any, RankContext]:
     import torch.distributed as dist
-    from .records import RankRecorder
     backend = resolve_backend(spec.backend, spec.world_size)
     timeout = timedelta(seconds=spec.pg_timeout_s)
     store = _rendezvous(spec, port, timeout)
@@ -213,13 +217,22 @@ def _set_rank_env(spec: RankSpec, port: int) -> None:
     os.environ.update(dict(spec.env))
 
 
-def _detach_from_parent() -> None:
-    """Own process group (so the launcher can kill this rank and anything it starts), and die with the parent."""
+def _detach_from_parent(launcher_pid: int) -> None:
+    """Lead a process group of our own (the launcher stops a rank and everything it started with one killpg), and
+    take that whole group down if the launcher dies without stopping us (a notebook kernel killed by SIGKILL).
+
+    A death signal from the kernel (PR_SET_PDEATHSIG) would kill the rank alone and orphan what it started (a
+    subprocess, a tool), so a thread watches the parent instead and kills the group, the rank included."""
     os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the launcher still kills ranks on its way out
+    launcher_pid = launcher_pid or os.getppid()
+    threading.Thread(target=_die_with_launcher, args=(launcher_pid,), name="labkit-launcher-watch",
+                     daemon=True).start()
+
+
+def _die_with_launcher(launcher_pid: int) -> None:
+    while os.getppid() == launcher_pid:  # reparented (to init or a subreaper) once the launcher is gone
+        time.sleep(LAUNCHER_POLL_S)
+    os.killpg(0, signal.SIGKILL)
 
 
 def _redirect_output(path: Path) -> None:
@@ -233,7 +246,7 @@ def _redirect_output(path: Path) -> None:
 
 def _write_error(spec: RankSpec, step: int, exc: BaseException) -> None:
     text = "".join(traceback.format_exception(exc))
-    sys.stderr.write(text)
+    sys.stderr.write(f"{FAILURE_MARKER} at step {step} ({type(exc).__name__}); the launcher reports the cause\n{text}")
     error = {"rank": spec.rank, "step": step, "type": type(exc).__name__, "message": str(exc),
              "traceback": text, "time": time.time()}
     (spec.run_dir / f"rank{spec.rank}.error.json").write_text(json.dumps(error, indent=2))

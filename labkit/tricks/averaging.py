@@ -34,11 +34,12 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .loop import NonFiniteLoss, make_optimizer
-from .records import Run, per_step
-from .schedule import lr_for_config
-from .seeding import seed_everything
-from .tasks import make_task
+from ..records import Run, per_step
+from ..train.loop import NonFiniteLoss, make_optimizer
+from ..train.schedule import lr_for_config
+from ..train.seeding import seed_everything
+from ..train.tasks import make_task
+from ..view import COLORS, new_figure, shown
 
 # No `from __future__ import annotations` here: DDP inspects a comm hook's annotations and wants real types.
 
@@ -271,15 +272,14 @@ def timeline(run: Run) -> pd.DataFrame:
     return out
 
 
+@shown
 def plot_timelines(runs: Sequence[Run], labels: Sequence[str] | None = None, title: str | None = None, *,
                    smooth: int = 1, divergence_steps: int | None = None) -> Figure:
     """Loss vs wall time | loss vs samples seen | divergence between ranks vs step:  plot_timelines([a, b]).
 
     smooth: plot the loss as a running mean over this many steps. divergence_steps: show only the first steps of
     the divergence (its sawtooth is unreadable over hundreds of steps)."""
-    from .plot import COLORS, _activate_notebook_display
-    _activate_notebook_display()
-    fig = Figure(figsize=(16, 4.4), layout="constrained")
+    fig = new_figure(figsize=(16, 4.4))
     ax_wall, ax_samples, ax_div = fig.subplots(1, 3)
     for run, label, color in zip(runs, labels or [r.name for r in runs], COLORS * 4):
         t = timeline(run)

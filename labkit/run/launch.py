@@ -22,68 +22,24 @@ import secrets
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 
-from .config import RunConfig
+from ..config import RunConfig
+from ..records import Run, write_meta, write_tensorboard
+from ..train.loop import train
+from ..train.tasks import preload
+from ..view.live import LiveView
 from .cuda_guard import cuda_init_culprit
+from .diagnose import classify_exits, diagnose_hang
+from .failure import LaunchError, RankFailure
 from .rank import DONE, FINISHING, RUNNING, Heartbeats, RankSpec, rank_main, spawn_main
-from .records import Run, write_meta, write_tensorboard
+from .reaping import exit_code, reap, signal_groups
 
 POLL_S = 0.01          # how often the watchdog looks at the ranks
 GRACE_S = 1.0          # after SIGTERM, how long a rank gets before SIGKILL
-STACK_DUMP_WAIT_S = 0.5  # after asking hung ranks for their stacks
-
-
-class LaunchError(RuntimeError):
-    """The launch could not start (bad arguments, or fork asked for while CUDA is initialised)."""
-
-
-@dataclass
-class RankStatus:
-    """How one rank ended, as the watchdog saw it."""
-
-    rank: int
-    state: str                 # "ok" | "raised" | "signal" | "exited" | "hung" | "waiting" | "stopped"
-    step: int                  # the step it was on
-    recorded: int              # the last step it recorded
-    detail: str = ""           # exception type and message, signal name, exit code, or where it hung
-    traceback: str = ""        # Python traceback, faulthandler dump, or stack at the time of the hang
-    time: float = field(default_factory=time.time)
-
-
-class RankFailure(RuntimeError):
-    """A rank failed; `.rank`, `.step`, `.reason`, `.traceback` say which, where and how; `.statuses` has all ranks."""
-
-    def __init__(self, cause: RankStatus, statuses: list[RankStatus], run_dir: Path):
-        self.rank, self.step, self.reason = cause.rank, cause.step, cause.state
-        self.detail, self.traceback, self.statuses, self.run_dir = cause.detail, cause.traceback, statuses, run_dir
-        self.last_recorded_step = cause.recorded
-        lines = [f"rank {cause.rank} {_verb(cause)} at step {cause.step}: {cause.detail}"]
-        lines += [f"  rank {s.rank}: {s.state} at step {s.step} (last recorded step {s.recorded})"
-                  + (f": {_first_line(s.detail)}" if s.detail and s is not cause else "") for s in statuses]
-        if cause.traceback:
-            lines += [f"--- rank {cause.rank} traceback ---", cause.traceback.rstrip()]
-        lines.append(f"records and logs: {run_dir}")
-        super().__init__("\n".join(lines))
-
-    @property
-    def run(self) -> Run:
-        """What the ranks recorded before the failure."""
-        return Run(self.run_dir)
-
-
-def _first_line(text: str, limit: int = 160) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= limit else line[:limit - 3] + "..."
-
-
-def _verb(status: RankStatus) -> str:
-    return {"raised": "raised", "signal": "was killed by a signal", "exited": "exited early",
-            "hung": "made no progress"}.get(status.state, status.state)
 
 
 def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = None, config: RunConfig | None = None,
@@ -115,7 +71,6 @@ def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = N
                start_method=method,
                function=getattr(fn, "__qualname__", repr(fn)), timeout_s=timeout, pid=os.getpid())
     procs = _start(fn, config, world_size, run_dir, method, mpctx, beats, port, timeout, env or {})
-    from .live import LiveView
     view = LiveView(run_dir, world_size, config.steps if config else None, echo=echo, progress=progress,
                     live=live, compare_with=tuple(compare_with))
     try:
@@ -132,7 +87,6 @@ def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = N
 
 def _resolve_target(target: Any, config: RunConfig | None) -> tuple[Callable[..., Any], RunConfig | None]:
     if isinstance(target, RunConfig):
-        from .loop import train
         return train, target
     if not callable(target):
         raise LaunchError(f"launch(target={target!r}): pass a RunConfig or a function fn(ctx)")
@@ -188,7 +142,6 @@ def _warm_imports(config: RunConfig | None, method: str) -> None:
             __import__(module)
             _warmed.add(module)
     if config is not None:
-        from .tasks import preload
         preload(config)
 
 
@@ -197,7 +150,7 @@ def _start(fn: Callable[..., Any], config: RunConfig | None, world_size: int, ru
     # The process-group timeout is a backstop, longer than the watchdog's, so the watchdog reports first.
     specs = [RankSpec(rank=r, world_size=world_size, run_dir=run_dir, backend=config.backend if config else "auto",
                       pg_timeout_s=timeout + 60, config=config,
-                      env=tuple(sorted(env.get(r, {}).items())))
+                      env=tuple(sorted(env.get(r, {}).items())), launcher_pid=os.getpid())
              for r in range(world_size)]
     if method == "fork":
         procs = [mpctx.Process(target=rank_main, args=(fn, s, beats, port), daemon=False) for s in specs]
@@ -246,10 +199,9 @@ def _label(fn: Callable[..., Any], config: RunConfig | None) -> str:
 def _watch(procs: list[Any], beats: Heartbeats, run_dir: Path, timeout: float, startup_timeout: float,
            view: Any) -> RankFailure | None:
     """Poll until every rank has exited cleanly (None) or one has failed (the RankFailure to raise)."""
-    from .diagnose import classify_exits, diagnose_hang
     while True:
-        view.update(beats)
-        codes = [p.exitcode for p in procs]
+        view.update([beats.read(r)[3] for r in range(len(procs))])
+        codes = [exit_code(p) for p in procs]
         failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             time.sleep(0.05)  # let ranks that fail as a consequence finish writing their error files
@@ -281,25 +233,11 @@ def _all_stuck_finishing(beats: Heartbeats, alive: list[int], timeout: float) ->
 
 
 def _stop(procs: list[Any]) -> None:
-    """Stop every rank and anything it started (each rank leads its own process group); reap them all."""
-    alive = [p for p in procs if p.exitcode is None]
-    _signal_groups(alive, signal.SIGTERM)
+    """Stop every rank and anything it started (each rank leads its own process group), then reap them all.
+    Ranks are reaped only here, after the last signal: until then their pids, and group ids, cannot be reused."""
+    signal_groups(procs, signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S
-    for p in alive:
-        p.join(max(0.0, deadline - time.monotonic()))
-    _signal_groups(procs, signal.SIGKILL)  # also grandchildren of ranks that exited
-    for p in procs:
-        p.join(5)
-
-
-def _signal_groups(procs: list[Any], sig: int) -> None:
-    for p in procs:
-        if p.pid is None:
-            continue
-        for kill in (os.killpg, os.kill):  # os.kill too: a rank may not have made its own group yet
-            if kill is os.kill and p.exitcode is not None:
-                continue  # already reaped: its pid may belong to someone else now
-            try:
-                kill(p.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+    while time.monotonic() < deadline and any(exit_code(p) is None for p in procs):
+        time.sleep(POLL_S)
+    signal_groups(procs, signal.SIGKILL)  # also grandchildren of ranks that exited
+    reap(procs)

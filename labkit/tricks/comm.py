@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 from matplotlib.figure import Figure
 
-from .config import pick
-from .launch import launch
-from .rank import resolve_backend
+from ..config import pick
+from ..run.launch import launch
+from ..run.rank import resolve_backend
+from ..view import COLORS, new_figure, shown
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 KiB, MiB = 1024, 1024 * 1024
@@ -251,13 +252,12 @@ def _time_calls(calls: list[tuple[Callable[[], Any], int]], repeats: int, warmup
 
 # --- the picture ---------------------------------------------------------------------------------------------
 
+@shown
 def plot_bandwidth(df: pd.DataFrame, *, model: bool = True, title: str | None = None) -> Figure:
     """Time (left) and busbw (right) vs message size, one line per op/backend/world; dashed: ring model fits.
 
         fig = plot_bandwidth(benchmark())      # fig.savefig("busbw.png") outside a notebook"""
-    from .plot import COLORS, _activate_notebook_display
-    _activate_notebook_display()
-    fig = Figure(figsize=(14, 5), layout="constrained")
+    fig = new_figure(figsize=(14, 5))
     ax_t, ax_bw = fig.subplots(1, 2, sharex=True)
     measured = df.dropna(subset=["time_s"])
     for color, ((op, backend, world), g) in zip(COLORS * 4, measured.groupby(["op", "backend", "world_size"])):

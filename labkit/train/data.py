@@ -1,4 +1,7 @@
-"""The digits input pipeline: per-sample CPU work in a torch DataLoader, delivering exactly Digits.batch's rows.
+"""Which samples each step sees, and the digits input pipeline that delivers them through a torch DataLoader.
+
+    x_train, y_train, x_test, y_test = digits_data()        # sklearn's 8x8 digits, split 1437 / 360
+    index = digits_indices(seed=0, n=1437, global_batch=32, step=5, rows=slice(0, 16))   # rank 0's rows of step 5
 
     cfg = RunConfig(task="digits", world_size=1, data_workers=2, sample_cost_ms=1.0)
     run = labkit.launch(cfg)               # each rank's Digits.batch now pulls from a DataLoader with 2 workers
@@ -7,7 +10,8 @@
     x, y = stream.batch(step=0, micro=0)   # bitwise the rows Digits.batch(0, 0, 0) slices from memory
     stream.close()                         # workers end (they also end after the run's last batch)
 
-Three pieces, as in any real input pipeline:
+The order of the samples is a function of (seed, step) only (`step_generator`), so every way of splitting a global
+batch over ranks sees the same samples. The pipeline has three pieces, as any real input pipeline:
 - `DigitsSamples`, the Dataset: `__getitem__` does `sample_cost_ms` of real CPU work per sample, a stand-in for
   decoding and augmentation (upsample, random affine warp, noise, downsample, then blur passes until the sample
   has used that much CPU time). CPU time, not sleep: the work competes for cores like real decoding, so it slows
@@ -22,26 +26,61 @@ Three pieces, as in any real input pipeline:
 """
 from __future__ import annotations
 
-import math
 import time
+from functools import lru_cache
 from typing import Any, Iterator
 
 import torch
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .tasks import _generator, digits_data, digits_indices
-
 UPSAMPLE = 32   # pixels per side of the working image (the stored digits are 8x8)
 # A 3x3 binomial blur: the per-pixel arithmetic that fills each sample's CPU budget.
 BLUR = torch.tensor([[1.0, 2.0, 1.0], [2.0, 4.0, 2.0], [1.0, 2.0, 1.0]]).view(1, 1, 3, 3) / 16
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The random stream of one step of one data set: a function of (seed, step) only, whoever asks."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+def digits_indices(seed: int, n: int, global_batch: int, step: int, rows: slice) -> torch.Tensor:
+    """Training-image indices of the rows `rows` of step `step`'s global batch:
+    digits_indices(seed=0, n=1437, global_batch=32, step=5, rows=slice(0, 16)).
+
+    The stream of samples runs through epochs, each its own shuffle of the n images, fixed by (seed, epoch)."""
+    positions = torch.arange(step * global_batch, (step + 1) * global_batch)[rows]
+    epochs = positions // n
+    index = torch.empty_like(positions)
+    for epoch in epochs.unique().tolist():
+        mask = epochs == epoch
+        index[mask] = epoch_order(seed, n, epoch)[positions[mask] % n]
+    return index
+
+
+@lru_cache(maxsize=8)
+def epoch_order(seed: int, n: int, epoch: int) -> torch.Tensor:
+    """The shuffle of n training images used in `epoch` (cached: every step of an epoch reads it)."""
+    return torch.randperm(n, generator=step_generator(seed, 10**6 + epoch))
+
+
+@lru_cache(maxsize=1)
+def digits_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_train, y_train, x_test, y_test): sklearn's digits scaled to [0, 1], split 1437/360 by a fixed shuffle."""
+    from sklearn.datasets import load_digits
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.long)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    train, test = order[:1437], order[1437:]
+    return x[train], y[train], x[test], y[test]
 
 
 def sample_work(image: torch.Tensor, seed: int, position: int, cost_ms: float) -> torch.Tensor:
     """Augment one 8x8 image with about `cost_ms` of this thread's CPU time; the result depends only on
     (image, seed, position):  warped = sample_work(x_train[7], seed=0, position=123, cost_ms=1.0)."""
     started = time.thread_time()
-    g = _generator(seed, 2**40 + position)
+    g = step_generator(seed, 2**40 + position)
     big = F.interpolate(image.view(1, 1, 8, 8), size=(UPSAMPLE, UPSAMPLE), mode="bilinear", align_corners=False)
     p = torch.rand(5, generator=g)
     angle, scale = (p[0] - 0.5) * 0.5, 0.9 + 0.2 * p[1]       # about +-14 degrees, 0.9-1.1x
@@ -198,114 +237,3 @@ class DigitsStream:
         """Stop the workers (joined, not killed); a later batch() starts new ones."""
         self._iterator = self._next = None
         self.loader = None  # a persistent loader keeps its iterator (and workers) until it goes
-
-
-# --- measuring runs: the step time split, the cores kept busy, the figure ---------------------------------------
-
-PARTS = ("t_data", "t_fwd_bwd", "t_optim")
-
-
-def step_split(run: Any, warmup: int = 4) -> dict[str, float]:
-    """Mean seconds per step of t_data, t_fwd_bwd, t_optim and t_step (averaged over ranks, so the parts add up),
-    skipping `warmup` steps and the last one (it also stops the workers):  step_split(run) -> {"t_data": 0.031, ...}.
-
-    The mean, not the median: workers side by side finish batches in bunches, so the waits are uneven (long ones,
-    then short ones while ready batches are taken). The median of such a series can be a short wait; the mean is
-    the total wait per step, which is what decides the throughput."""
-    df = run.df
-    df = df[(df.step >= warmup) & (df.step < df.step.max())] if df.step.max() > warmup else df
-    per_step = df.groupby("step")[[*PARTS, "t_step"]].mean()
-    return {name: float(per_step[name].mean()) for name in per_step}
-
-
-class CpuMeter:
-    """CPU time used by this process and its descendants (launcher, ranks, DataLoader workers) and by everything else
-    on the cores this process may use, sampled in a thread:
-
-        with CpuMeter() as meter:            # inside pinned_to(2): watches those 2 cores
-            run = labkit.launch(cfg)
-        ours, others = meter.cores_busy(start, end)   # cores kept busy between two time.time() stamps
-    """
-
-    def __init__(self, interval_s: float = 0.025):
-        import os
-        import threading
-        self.interval_s, self.cores = interval_s, sorted(os.sched_getaffinity(0))
-        self.samples: list[tuple[float, float, float]] = []   # (time, our CPU seconds, all CPU seconds on cores)
-        self._last: dict[int, float] = {}   # pid -> its CPU seconds when last seen (kept after it exits)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-
-    def __enter__(self) -> "CpuMeter":
-        self._sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _poll(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._sample()
-
-    def _sample(self) -> None:
-        import psutil
-        me = psutil.Process()
-        for proc in [me, *me.children(recursive=True)]:   # the launcher counts as ours too
-            try:
-                cpu = proc.cpu_times()
-                self._last[proc.pid] = cpu.user + cpu.system
-            except psutil.Error:
-                continue  # it ended between the listing and the reading: its last sample stands
-        per_core = psutil.cpu_times(percpu=True)
-        busy = sum(c.user + c.nice + c.system + c.irq + c.softirq + c.steal
-                   for i, c in enumerate(per_core) if i in self.cores)
-        self.samples.append((time.time(), sum(self._last.values()), busy))
-
-    def cores_busy(self, start: float, end: float) -> tuple[float, float]:
-        """(ours, others): mean cores kept busy between `start` and `end` (time.time() values) by this process and
-        its descendants, and by everything else on the watched cores."""
-        import numpy as np
-        times, ours, every = np.array(self.samples).T
-        mine = (np.interp(end, times, ours) - np.interp(start, times, ours)) / (end - start)
-        total = (np.interp(end, times, every) - np.interp(start, times, every)) / (end - start)
-        return float(mine), float(max(0.0, total - mine))
-
-
-def cores_busy(run: Any, meter: CpuMeter, warmup: int = 4) -> tuple[float, float]:
-    """(ours, others) over the steps step_split averages: after `warmup`, before the last."""
-    times = run.df.groupby("step")["time"].max()
-    if len(times) <= warmup + 1:
-        return math.nan, math.nan
-    return meter.cores_busy(times.iloc[max(warmup - 1, 0)], times.iloc[-2])
-
-
-def plot_step_split(table: Any, *, floor_s: float | None = None, notes: Any = None, title: str | None = None) -> Any:
-    """Stacked bars, one per setting (rows of `table`: t_data, t_fwd_bwd, t_optim, t_step in seconds); a black line
-    marks the step time, a dashed one `floor_s`; `notes` (one string per row) go above the bars:
-    plot_step_split(table, floor_s=0.016, notes=[f"{u:.1f} cores busy" for u in table["cores busy"]])."""
-    from matplotlib.figure import Figure
-    from .plot import COLORS, _activate_notebook_display
-    _activate_notebook_display()
-    fig = Figure(figsize=(max(8.0, 1.1 * len(table) + 4), 4.5), layout="constrained")
-    ax = fig.subplots()
-    xs, bottom = range(len(table)), [0.0] * len(table)
-    names = {"t_data": "waiting for data (t_data)", "t_fwd_bwd": "forward + backward (t_fwd_bwd)",
-             "t_optim": "optimizer (t_optim)"}
-    for part, color in zip(PARTS, [COLORS[3], COLORS[0], COLORS[2]]):
-        heights = [1e3 * v for v in table[part]]
-        ax.bar(xs, heights, bottom=bottom, color=color, label=names[part], width=0.6)
-        bottom = [b + h for b, h in zip(bottom, heights)]
-    ax.hlines([1e3 * v for v in table["t_step"]], [x - 0.35 for x in xs], [x + 0.35 for x in xs], color="black",
-              linewidth=2, zorder=3, label="step time (t_step)")
-    for x, top, note in zip(xs, table["t_step"], notes if notes is not None else []):
-        ax.annotate(note, (x, 1e3 * top), xytext=(0, 6), textcoords="offset points", ha="center", fontsize=8)
-    if floor_s is not None:
-        ax.axhline(1e3 * floor_s, color="black", linestyle="--", linewidth=1,
-                   label=f"floor: sample work / cores = {1e3 * floor_s:.0f} ms")
-    ax.set_xticks(list(xs), [str(i).replace(", ", "\n") for i in table.index], fontsize=9)
-    ax.set(ylabel="ms per step (mean after warm-up)", title=title or "")
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return fig

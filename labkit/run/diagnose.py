@@ -20,8 +20,11 @@ from typing import Any
 
 import torch
 
-from .launch import STACK_DUMP_WAIT_S, RankFailure, RankStatus
+from .failure import RankFailure, RankStatus
 from .rank import FINISHING, INITIALISING, Heartbeats
+from .reaping import exit_code
+
+STACK_DUMP_WAIT_S = 0.5  # after asking hung ranks for their stacks, how long to wait for the dumps
 
 _TORCH_DIR = str(Path(torch.__file__).parent) + os.sep
 _PEER_FAILURE = re.compile(r"connection closed|connection reset|broken pipe|peer|socket|remote process|"
@@ -34,12 +37,16 @@ def classify_exits(procs: list[Any], beats: Heartbeats, run_dir: Path, failed: l
     failures = [statuses[r] for r in failed] + [s for s in statuses if s.state in ("raised", "signal", "exited")
                                                  and s.rank not in failed]
     causes = [s for s in failures if not _is_consequence(s)] or failures
-    return RankFailure(min(causes, key=lambda s: s.time), statuses, run_dir)
+    cause = min(causes, key=lambda s: s.time)
+    for status in failures:
+        if status is not cause and _is_consequence(status):
+            status.because_of = cause.rank
+    return RankFailure(cause, statuses, run_dir)
 
 
 def _exit_status(rank: int, proc: Any, beats: Heartbeats, run_dir: Path) -> RankStatus:
     _, step, _, recorded = beats.read(rank)
-    code = proc.exitcode
+    code = exit_code(proc)
     if code is None:
         return RankStatus(rank, "stopped", step, recorded, "stopped by labkit after another rank failed")
     if code == 0:
@@ -65,12 +72,12 @@ def _is_consequence(status: RankStatus) -> bool:
 def diagnose_hang(procs: list[Any], beats: Heartbeats, run_dir: Path, timeout: float) -> RankFailure:
     """The RankFailure for ranks that stopped making progress: collect stacks, then pick the stuck rank."""
     # Only ranks that registered the stack-dump handler may be sent SIGUSR1: it would kill the others.
-    alive = [r for r, p in enumerate(procs) if p.exitcode is None and beats.read(r)[2] >= INITIALISING]
+    alive = [r for r, p in enumerate(procs) if exit_code(p) is None and beats.read(r)[2] >= INITIALISING]
     stacks = _dump_stacks(procs, alive, run_dir)
     now, statuses = time.time(), []
     for rank, proc in enumerate(procs):
         beat, step, state, recorded = beats.read(rank)
-        if proc.exitcode is not None:
+        if exit_code(proc) is not None:
             statuses.append(_exit_status(rank, proc, beats, run_dir))
             continue
         path, where, stack = _main_thread_top(stacks.get(rank, ""))

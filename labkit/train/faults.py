@@ -12,7 +12,7 @@ import signal
 import time
 from typing import Iterable
 
-from .config import Fault
+from ..config import Fault
 
 
 class InjectedFault(RuntimeError):

@@ -15,14 +15,14 @@ digits: an MLP on scikit-learn's bundled 8x8 digits (1437 train / 360 held-out i
 """
 from __future__ import annotations
 
-import math
 import os
-from functools import lru_cache
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from .data import DigitsStream, digits_data, digits_indices, step_generator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub: the models are built from a config
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -30,10 +30,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 LANGUAGE_SEED = 20261130  # the synthetic language is fixed; RunConfig.seed only changes which sentences are drawn
 LM_SIZES = {"tiny": (64, 2, 4), "small": (128, 4, 4), "base": (256, 6, 8)}  # width, layers, heads
 MLP_WIDTH = {"tiny": 64, "small": 128, "base": 256}
-
-
-def _generator(seed: int, step: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed * 1_000_003 + step)
 
 
 class Task:
@@ -69,7 +65,7 @@ class TinyLM(Task):
         super().__init__(config, world_size)
         self.vocab, self.k, self.seq_len = config.vocab_size, config.branching, config.seq_len
         self.successors = successor_table(self.vocab, self.k)
-        self.loss_floor = math.log(self.k)
+        self.loss_floor = config.loss_floor
         self.tokens_per_sample = self.seq_len
 
     def build_model(self) -> nn.Module:
@@ -82,7 +78,7 @@ class TinyLM(Task):
 
     def batch(self, step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = sample_sentences(self.successors, self.config.global_batch, self.seq_len + 1,
-                                  _generator(self.config.seed, step), self.rows(micro, rank))
+                                  step_generator(self.config.seed, step), self.rows(micro, rank))
         return tokens[:, :-1], tokens[:, 1:]
 
     def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -136,7 +132,6 @@ class Digits(Task):
 
     def _stream(self, rank: int) -> Any:
         if rank not in self._streams:
-            from .data import DigitsStream  # workers are started here, in the rank, not in the launcher
             self._streams[rank] = DigitsStream(self.config, self.world_size, rank, self.x_train, self.y_train)
         return self._streams[rank]
 
@@ -149,38 +144,6 @@ class Digits(Task):
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         logits = model(self.x_test)
         return {"eval_accuracy": (logits.argmax(-1) == self.y_test).float().mean().item()}
-
-
-def digits_indices(seed: int, n: int, global_batch: int, step: int, rows: slice) -> torch.Tensor:
-    """Training-image indices of the rows `rows` of step `step`'s global batch:
-    digits_indices(seed=0, n=1437, global_batch=32, step=5, rows=slice(0, 16)).
-
-    The stream of samples runs through epochs, each its own shuffle of the n images, fixed by (seed, epoch)."""
-    positions = torch.arange(step * global_batch, (step + 1) * global_batch)[rows]
-    epochs = positions // n
-    index = torch.empty_like(positions)
-    for epoch in epochs.unique().tolist():
-        mask = epochs == epoch
-        index[mask] = epoch_order(seed, n, epoch)[positions[mask] % n]
-    return index
-
-
-@lru_cache(maxsize=8)
-def epoch_order(seed: int, n: int, epoch: int) -> torch.Tensor:
-    """The shuffle of n training images used in `epoch` (cached: every step of an epoch reads it)."""
-    return torch.randperm(n, generator=_generator(seed, 10**6 + epoch))
-
-
-@lru_cache(maxsize=1)
-def digits_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x_train, y_train, x_test, y_test): sklearn's digits scaled to [0, 1], split 1437/360 by a fixed shuffle."""
-    from sklearn.datasets import load_digits
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target, dtype=torch.long)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    train, test = order[:1437], order[1437:]
-    return x[train], y[train], x[test], y[test]
 
 
 TASKS = {"tinylm": TinyLM, "digits": Digits}

@@ -9,12 +9,18 @@ as such, with the advice to import labkit first.
 """
 from __future__ import annotations
 
+import os
 import traceback
+from pathlib import Path
 from typing import Callable
 
 import torch
 
-_cuda_init_stack: list[str] | None = None
+# Library frames are told apart by the file of the module they run in, never by a substring of the path: a checkout
+# named "labkit" (as the README clones it) or a user's project folder called "torch" must not hide the user's call.
+_LIBRARY_DIRS = (Path(__file__).resolve().parents[1], Path(torch.__file__).resolve().parent)
+
+_cuda_init_stack: list[traceback.FrameSummary] | None = None
 _cuda_initialised_before_labkit = torch.cuda.is_initialized()
 
 
@@ -25,7 +31,7 @@ def tracking(original: Callable[[], None], is_initialized: Callable[[], bool]) -
         first = not is_initialized()
         original()  # raises on a CPU-only build: then nothing was initialised and nothing is remembered
         if first and _cuda_init_stack is None and is_initialized():
-            _cuda_init_stack = traceback.format_stack()[:-1]
+            _cuda_init_stack = traceback.extract_stack()[:-1]
 
     tracking_lazy_init._labkit_tracker = True  # type: ignore[attr-defined]
     return tracking_lazy_init
@@ -48,9 +54,17 @@ def cuda_init_culprit() -> str | None:
     if _cuda_initialised_before_labkit or _cuda_init_stack is None:
         return ("CUDA was initialised before labkit was imported; import labkit first (top of the notebook) "
                 "and it will name the call that does it.")
-    outside_torch = [f for f in _cuda_init_stack if "/torch/" not in f and "/labkit/" not in f]
-    where = (outside_torch or _cuda_init_stack)[-3:]
-    return "CUDA was initialised by this call:\n" + "".join(where).rstrip()
+    users = [frame for frame in _cuda_init_stack if not is_library_file(frame.filename)]
+    where = (users or _cuda_init_stack)[-3:]
+    return "CUDA was initialised by this call:\n" + "".join(traceback.format_list(where)).rstrip()
+
+
+def is_library_file(filename: str) -> bool:
+    """True for a file inside the labkit or torch package (their own modules), False for anyone else's code."""
+    if not os.path.isabs(filename):
+        return False  # "<stdin>", "<string>", a notebook cell's pseudo-file: the user's
+    path = Path(filename).resolve()
+    return any(path.is_relative_to(directory) for directory in _LIBRARY_DIRS)
 
 
 _install_cuda_init_tracker()

@@ -1,0 +1,88 @@
+"""The cores a measurement runs on: pin a block (and every rank it launches) to some cores, and meter who used them.
+
+    with pinned_to(2), CpuMeter() as meter:       # the launcher and its forked ranks inherit the two cores
+        run = labkit.launch(cfg)
+    ours, others = meter.cores_busy(start, end)   # cores kept busy by us, and by every other program, on those cores
+
+A speed comparison means something only if the cores were ours while it ran: other programs only ever take time
+away, and unevenly. The meter watches the cores of this process's affinity mask, not the whole machine, so a busy
+core that our ranks never run on does not count against a measurement.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from typing import Any, Iterator
+
+import numpy as np
+import psutil
+
+
+@contextlib.contextmanager
+def pinned_to(cores: int) -> Iterator[list[int]]:
+    """Run the block on the first `cores` cores this process may use (forked ranks inherit the mask); yields them.
+
+        with pinned_to(2) as used:   # used == [0, 1] on most machines
+            run = labkit.launch(cfg)
+    """
+    allowed = sorted(os.sched_getaffinity(0))
+    if not isinstance(cores, int) or isinstance(cores, bool) or not 1 <= cores <= len(allowed):
+        raise ValueError(f"pinned_to({cores!r}): this process may use {len(allowed)} cores; ask for 1..{len(allowed)}")
+    os.sched_setaffinity(0, allowed[:cores])
+    try:
+        yield allowed[:cores]
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+class CpuMeter:
+    """CPU time used by this process and its descendants (launcher, ranks, DataLoader workers) and by everything else
+    on the cores this process may use, sampled in a thread:
+
+        with CpuMeter() as meter:            # inside pinned_to(2): watches those 2 cores
+            run = labkit.launch(cfg)
+        ours, others = meter.cores_busy(start, end)   # cores kept busy between two time.time() stamps
+    """
+
+    def __init__(self, interval_s: float = 0.025):
+        self.interval_s, self.cores = interval_s, sorted(os.sched_getaffinity(0))
+        self.samples: list[tuple[float, float, float]] = []   # (time, our CPU seconds, all CPU seconds on cores)
+        self._last: dict[int, float] = {}   # pid -> its CPU seconds when last seen (kept after it exits)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> "CpuMeter":
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def _sample(self) -> None:
+        me = psutil.Process()
+        for proc in [me, *me.children(recursive=True)]:   # the launcher counts as ours too
+            try:
+                cpu = proc.cpu_times()
+                self._last[proc.pid] = cpu.user + cpu.system
+            except psutil.Error:
+                continue  # it ended between the listing and the reading: its last sample stands
+        per_core = psutil.cpu_times(percpu=True)
+        busy = sum(c.user + c.nice + c.system + c.irq + c.softirq + c.steal
+                   for i, c in enumerate(per_core) if i in self.cores)
+        self.samples.append((time.time(), sum(self._last.values()), busy))
+
+    def cores_busy(self, start: float, end: float) -> tuple[float, float]:
+        """(ours, others): mean cores kept busy between `start` and `end` (time.time() values) by this process and
+        its descendants, and by everything else on the watched cores."""
+        times, ours, every = np.array(self.samples).T
+        mine = (np.interp(end, times, ours) - np.interp(start, times, ours)) / (end - start)
+        total = (np.interp(end, times, every) - np.interp(start, times, every)) / (end - start)
+        return float(mine), float(max(0.0, total - mine))

@@ -1,0 +1,12 @@
+"""What runs inside a rank: the instrumented training loop and everything it uses.
+
+    loop.py        train(ctx, config): DDP, one record per step and rank
+    tasks.py       the built-in tasks: a model, the batches of each step, a loss
+    data.py        which samples each step sees; the digits DataLoader pipeline
+    schedule.py    learning-rate schedules as pure functions of the step
+    commhooks.py   how DDP sends gradients, counted
+    faults.py      failures injected on purpose
+    seeding.py     seeds, RNG fingerprints, determinism switches
+
+Nothing here knows how it was started (labkit's launcher or torchrun) or how it will be shown.
+"""

@@ -1,0 +1,12 @@
+"""The science behind the lessons, one module per family of tricks:
+
+    envcheck.py    pin your versions: per-rank fingerprints and what differs       (lesson 01)
+    comm.py        backends and bandwidth: collective benchmarks, the ring model   (lesson 02)
+    scaling.py     GPUs x batch per GPU: scaling efficiency, the linear LR rule    (lesson 03)
+    loading.py     data loading: where a step's time goes                          (lesson 05)
+    averaging.py   sync vs async: local SGD, Hogwild                               (lesson 06)
+    sharding.py    data sharding: DistributedSampler's traps, Join                 (lesson 07)
+
+    from labkit.tricks import comm
+    comm.benchmark(world_size=2)
+"""

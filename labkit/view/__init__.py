@@ -1,0 +1,7 @@
+"""What a person looks at: the side-by-side figure, any recorded curve, the live view while ranks run.
+
+Reads runs (labkit.records) and draws them; knows nothing of processes or training."""
+from .figures import COLORS, compare, curves
+from .show import in_notebook, new_figure, show, shown
+
+__all__ = ["COLORS", "compare", "curves", "in_notebook", "new_figure", "show", "shown"]
