@@ -134,6 +134,11 @@ class Run:
     value an all-reduce would give, without a collective in the training loop."""
         return per_step(self.df if df is None else df)
 
+    def slowest(self, *columns: str, after: int = 0) -> pd.DataFrame:
+        """One row per step (from step `after` on), each column at its largest over ranks: what the step waited
+    for, since a synchronous step ends when its slowest rank does:  run.slowest("t_step", "t_data", after=2)."""
+        return slowest_per_step(self.df, columns or ("t_step",), after=after)
+
     def summary(self) -> dict[str, float]:
         """Headline figures: global throughput over the whole run and its per-step median (steps after the first),
     final loss, time to first step."""
@@ -187,6 +192,14 @@ def per_step(df: pd.DataFrame) -> pd.DataFrame:
         if extra in df:
             out[extra] = g[extra].mean()
     return out.reset_index()
+
+
+def slowest_per_step(df: pd.DataFrame, columns: tuple[str, ...] | list[str], after: int = 0) -> pd.DataFrame:
+    """Per step (index), the maximum over ranks of each of `columns`, for steps >= `after` (see Run.slowest)."""
+    missing = [c for c in columns if c not in df]
+    if missing:
+        raise KeyError(f"no recorded {missing}; the records have {sorted(df.columns)}")
+    return df[df["step"] >= after].groupby("step")[list(columns)].max()
 
 
 def whole_run_throughput(df: pd.DataFrame) -> float:

@@ -63,3 +63,14 @@ def test_tensorboard_events_are_made_from_the_records(tmp_path):
     events.Reload()
     assert events.Tags()["scalars"] == ["loss"]  # booleans and bookkeeping fields are not scalars
     assert [(e.step, round(e.value, 4)) for e in events.Scalars("loss")] == [(0, 1.0), (1, 1.1), (2, 1.2)]
+
+
+def test_slowest_takes_each_steps_largest_value_over_ranks():
+    from labkit.records import slowest_per_step
+    df = pd.DataFrame({"rank": [0, 1, 0, 1, 0, 1], "step": [0, 0, 1, 1, 2, 2],
+                       "t_step": [0.1, 0.3, 0.2, 0.1, 0.5, 0.4], "t_data": [0.0, 0.05, 0.02, 0.01, 0.0, 0.0]})
+    table = slowest_per_step(df, ["t_step", "t_data"], after=1)
+    assert table.index.tolist() == [1, 2]
+    assert table["t_step"].tolist() == [0.2, 0.5] and table["t_data"].tolist() == [0.02, 0.0]
+    with pytest.raises(KeyError, match="t_optim"):
+        slowest_per_step(df, ["t_optim"])
