@@ -16,11 +16,12 @@ $(STAMP): pyproject.toml requirements.lock
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip==26.3"
 	$(BIN)/python -m pip install --quiet "torch==2.13.0"
-	$(BIN)/python -m pip install --quiet -c requirements.lock -e .
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[lab,test]"
 	touch $(STAMP)
 
+# --allow-root: containers, cloud images and many lab machines run as root; JupyterLab refuses them without it.
 lab: install
-	$(BIN)/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --no-browser
+	$(BIN)/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --no-browser $(if $(filter 0,$(shell id -u)),--allow-root)
 
 test: install
 	rm -rf $(TEST_RUNS) && mkdir -p $(TEST_RUNS)

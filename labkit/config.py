@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .rules import Rule, boolean, integer, is_int, is_number, number, one_of, optional, shown, text
+
 TASKS = ("tinylm", "digits")
 MODEL_SIZES = ("tiny", "small", "base")
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -58,14 +60,17 @@ class Fault:
     step: int
     """The step (0-based) at whose start it happens."""
 
-    def problems(self, world_size: int, steps: int) -> list[str]:
+    def problems(self, world_size: int | None = None, steps: int | None = None) -> list[str]:
+        """What is wrong with this fault, as sentences (ranges are checked when world_size and steps are given)."""
         out = []
-        if self.kind not in FAULT_KINDS:
-            out.append(f"Fault.kind = {self.kind!r}: must be one of {', '.join(FAULT_KINDS)}")
-        if not _is_int(self.rank) or not 0 <= self.rank < world_size:
-            out.append(f"Fault.rank = {self.rank!r}: must be a rank in 0..{world_size - 1} (world_size={world_size})")
-        if not _is_int(self.step) or not 0 <= self.step < steps:
-            out.append(f"Fault.step = {self.step!r}: must be a step in 0..{steps - 1} (steps={steps})")
+        if not (isinstance(self.kind, str) and self.kind in FAULT_KINDS):
+            out.append(f"Fault.kind = {shown(self.kind)}: must be one of {', '.join(FAULT_KINDS)}")
+        for name, size, what in (("rank", world_size, "world_size"), ("step", steps, "steps")):
+            value = getattr(self, name)
+            if not is_int(value) or value < 0:
+                out.append(f"Fault.{name} = {shown(value)}: must be an integer >= 0")
+            elif size is not None and value >= size:
+                out.append(f"Fault.{name} = {value}: must be below {what} = {size}")
         return out
 
 
@@ -151,9 +156,9 @@ class RunConfig:
     """A label for plots and the run directory; empty: derived from the config."""
 
     def __post_init__(self) -> None:
-        # JSON and notebooks hand us lists of dicts; keep the dataclass hashable and typed.
-        faults = tuple(f if isinstance(f, Fault) else Fault(**f) for f in self.faults)
-        object.__setattr__(self, "faults", faults)
+        # JSON and notebooks hand us lists of dicts; keep the dataclass hashable and typed. What cannot be turned
+        # into Faults is left as it is, for problems() to report with the field's name.
+        object.__setattr__(self, "faults", _as_faults(self.faults))
         self.validate()
 
     @classmethod
@@ -184,52 +189,34 @@ class RunConfig:
     def problems(self) -> list[str]:
         """Every field that holds a value that is not allowed, as a sentence; empty when the config is valid."""
         out: list[str] = []
-        choices = {"task": TASKS, "model_size": MODEL_SIZES, "optimizer": OPTIMIZERS, "schedule": SCHEDULES,
-                   "precision": PRECISIONS, "backend": BACKENDS, "strategy": STRATEGIES, "comm_hook": COMM_HOOKS}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                out.append(f"RunConfig.{name} = {getattr(self, name)!r}: must be one of {', '.join(allowed)}")
-        for name, low in [("world_size", 1), ("global_batch", 1), ("grad_accum", 1), ("steps", 1),
-                          ("seq_len", 2), ("vocab_size", 2), ("branching", 1), ("warmup_steps", 0),
-                          ("eval_every", 0), ("seed", 0), ("powersgd_rank", 1), ("data_workers", 0),
-                          ("prefetch_factor", 1)]:
-            value = getattr(self, name)
-            if not _is_int(value) or value < low:
-                out.append(f"RunConfig.{name} = {value!r}: must be an integer >= {low}")
-        for name, low, inclusive in [("lr", 0.0, False), ("weight_decay", 0.0, True), ("momentum", 0.0, True),
-                                     ("min_lr_ratio", 0.0, True), ("bucket_cap_mb", 0.0, False),
-                                     ("sample_cost_ms", 0.0, True)]:
-            value = getattr(self, name)
-            ok = _is_number(value) and math.isfinite(value) and (value >= low if inclusive else value > low)
-            if not ok:
-                out.append(f"RunConfig.{name} = {value!r}: must be a finite number {'>=' if inclusive else '>'} {low}")
-        if _is_number(self.min_lr_ratio) and self.min_lr_ratio > 1:
-            out.append(f"RunConfig.min_lr_ratio = {self.min_lr_ratio!r}: must be at most 1 (a fraction of lr)")
-        if self.clip_norm is not None and not (_is_number(self.clip_norm) and math.isfinite(self.clip_norm)
-                                               and self.clip_norm > 0):
-            out.append(f"RunConfig.clip_norm = {self.clip_norm!r}: must be None (no clipping) or a finite number > 0")
-        if self.memory_budget_mb is not None and not (_is_number(self.memory_budget_mb)
-                                                      and math.isfinite(self.memory_budget_mb)
-                                                      and self.memory_budget_mb > 0):
-            out.append(f"RunConfig.memory_budget_mb = {self.memory_budget_mb!r}: must be None or a finite number > 0")
-        if self.task != "digits" and (self.data_workers or self.sample_cost_ms):
-            out.append(f"RunConfig.data_workers = {self.data_workers!r}, sample_cost_ms = {self.sample_cost_ms!r}: "
-                       f"the DataLoader pipeline exists for task 'digits' only (task = {self.task!r})")
-        if _is_int(self.branching) and _is_int(self.vocab_size) and self.branching > self.vocab_size:
-            out.append(f"RunConfig.branching = {self.branching}: must be at most vocab_size = {self.vocab_size}")
-        if not out:  # divisibility only makes sense once the sizes themselves are valid
-            out += self._batch_problems()
-            for fault in self.faults:
-                out += fault.problems(self.world_size, self.steps)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            why = _fault_shape(value) if f.name == "faults" else RULES[f.name](value)
+            if why:
+                out.append(f"RunConfig.{f.name} = {shown(value)}: {why}")
+        if out:
+            return out  # the rules below compare fields, which only makes sense once each field is valid
+        if self.task != "digits":
+            for name in ("data_workers", "sample_cost_ms"):
+                if getattr(self, name):
+                    out.append(f"RunConfig.{name} = {getattr(self, name)!r}: the DataLoader pipeline exists for task "
+                               f"'digits' only (RunConfig.task = {self.task!r}); leave it at 0")
+        if self.branching > self.vocab_size:
+            out.append(f"RunConfig.branching = {self.branching}: must be at most RunConfig.vocab_size = "
+                       f"{self.vocab_size}")
+        out += self._batch_problems()
+        for i, fault in enumerate(self.faults):
+            out += [f"RunConfig.faults[{i}]: {why} (RunConfig.world_size = {self.world_size}, RunConfig.steps = "
+                    f"{self.steps})" for why in fault.problems(self.world_size, self.steps)]
         return out
 
     def _batch_problems(self) -> list[str]:
         split = self.world_size * self.grad_accum
         if self.global_batch % split:
             lower = max(split, self.global_batch // split * split)
-            return [f"RunConfig.global_batch = {self.global_batch}: does not split evenly over world_size="
-                    f"{self.world_size} x grad_accum={self.grad_accum} = {split}; use a multiple of {split}, "
-                    f"e.g. {lower} or {lower + split}"]
+            return [f"RunConfig.global_batch = {self.global_batch}: does not split evenly over RunConfig.world_size="
+                    f"{self.world_size} x RunConfig.grad_accum={self.grad_accum} = {split}; use a multiple of "
+                    f"{split}, e.g. {lower} or {lower + split}"]
         return []
 
     def validate(self) -> "RunConfig":
@@ -244,6 +231,9 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+        """The config a dict describes (RunConfig.to_dict, or JSON): RunConfig.from_dict({"world_size": 4})."""
+        if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+            raise ConfigError(f"RunConfig.from_dict({shown(data)}): pass a dict of field names to values")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -258,10 +248,42 @@ class RunConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+RULES: dict[str, Rule] = {
+    "task": one_of(*TASKS), "model_size": one_of(*MODEL_SIZES), "world_size": integer(1),
+    "global_batch": integer(1), "grad_accum": integer(1), "no_sync": boolean, "steps": integer(1),
+    "optimizer": one_of(*OPTIMIZERS), "lr": number(0.0, inclusive=False), "weight_decay": number(0.0),
+    "momentum": number(0.0), "schedule": one_of(*SCHEDULES), "warmup_steps": integer(0),
+    "min_lr_ratio": number(0.0, high=1.0),
+    "clip_norm": optional(number(0.0, inclusive=False), "no clipping"),
+    "precision": one_of(*PRECISIONS), "seed": integer(0), "deterministic": boolean, "backend": one_of(*BACKENDS),
+    "strategy": one_of(*STRATEGIES), "bucket_cap_mb": number(0.0, inclusive=False), "comm_hook": one_of(*COMM_HOOKS),
+    "powersgd_rank": integer(1), "memory_budget_mb": optional(number(0.0, inclusive=False), "no budget"),
+    "data_workers": integer(0), "sample_cost_ms": number(0.0), "pin_memory": boolean, "persistent_workers": boolean,
+    "prefetch_factor": integer(1), "seq_len": integer(2), "vocab_size": integer(2), "branching": integer(1),
+    "eval_every": integer(0), "stop_on_nan": boolean, "tensorboard": boolean, "save_final": boolean, "name": text,
+}
+"""The rule each field's value must pass (labkit.rules); faults are checked by their own shape and ranges."""
+
+FAULT_FIELDS = ("kind", "rank", "step")
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _as_faults(value: Any) -> Any:
+    """A tuple of Faults from Faults or {"kind", "rank", "step"} dicts; anything else is returned unchanged."""
+    if not isinstance(value, (list, tuple)):
+        return value
+    items = []
+    for item in value:
+        if isinstance(item, dict) and set(item) == set(FAULT_FIELDS):
+            item = Fault(**item)
+        if not isinstance(item, Fault):
+            return value
+        items.append(item)
+    return tuple(items)
 
+
+def _fault_shape(value: Any) -> str | None:
+    if isinstance(value, tuple) and all(isinstance(f, Fault) for f in value):
+        problems = [why for f in value for why in f.problems()]
+        return "; ".join(problems) or None
+    return ("must be a list of Fault(kind=..., rank=..., step=...), or of dicts with exactly the keys "
+            f"{', '.join(FAULT_FIELDS)}")

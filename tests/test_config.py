@@ -74,3 +74,90 @@ def test_replace_validates_and_json_round_trips(tmp_path):
 def test_unknown_fields_in_json_are_named():
     with pytest.raises(ConfigError, match="wrold_size"):
         RunConfig.from_dict({"wrold_size": 2})
+
+
+# --- every field is type-checked: arbitrary values either build a config that survives JSON, or name the field ---
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import types  # noqa: E402
+import typing  # noqa: E402
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from labkit.config import RULES  # noqa: E402
+
+FIELDS = [f.name for f in dataclasses.fields(RunConfig)]
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 300), st.integers(), st.floats(allow_nan=True),
+                    st.text(max_size=8), st.binary(max_size=4), st.sampled_from(["tinylm", "digits", "sgd", "cosine",
+                                                                                 "fp16", "gloo", "ddp", "raise"]))
+ANY_VALUE = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                          st.dictionaries(st.text(max_size=5), inner, max_size=3)),
+                         max_leaves=6)
+FAULT_LIKE = st.one_of(ANY_VALUE, st.lists(st.one_of(
+    st.fixed_dictionaries({"kind": st.sampled_from(["raise", "nan", "boom", 3]), "rank": ANY_VALUE,
+                           "step": ANY_VALUE}),
+    st.dictionaries(st.sampled_from(["kind", "rank", "step", "when"]), ANY_VALUE, max_size=4),
+    st.builds(Fault, kind=st.sampled_from(["raise", "hang", "x"]), rank=st.integers(-1, 3), step=st.integers(-1, 30)),
+    ANY_VALUE), max_size=3))
+
+
+HINTS = typing.get_type_hints(RunConfig)
+
+
+def _has_declared_type(value, hint) -> bool:
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_has_declared_type(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if typing.get_origin(hint) is tuple:
+        return isinstance(value, tuple) and all(isinstance(v, typing.get_args(hint)[0]) for v in value)
+    raise AssertionError(f"no check for {hint}")
+
+
+def _builds_or_names(build, fields):
+    """Either a config whose every field has its declared type and that survives a JSON round trip, or a
+    ConfigError naming one of `fields`."""
+    try:
+        cfg = build()
+    except ConfigError as error:
+        assert any(f"RunConfig.{name}" in str(error) for name in fields), str(error)
+        return
+    for name in FIELDS:
+        assert _has_declared_type(getattr(cfg, name), HINTS[name]), (name, getattr(cfg, name))
+    assert RunConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+def test_every_field_has_a_rule():
+    assert set(RULES) == set(FIELDS) - {"faults"}
+
+
+@settings(max_examples=300, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(field=st.sampled_from(FIELDS), value=ANY_VALUE, faults=FAULT_LIKE)
+def test_any_value_in_any_field_builds_a_config_or_names_the_field(field, value, faults):
+    _builds_or_names(lambda: RunConfig(**{field: value}), [field])
+    _builds_or_names(lambda: RunConfig(faults=faults), ["faults"])
+
+
+@settings(max_examples=150, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.dictionaries(st.sampled_from(FIELDS), ANY_VALUE, max_size=5))
+def test_from_dict_builds_a_config_or_names_a_field(data):
+    _builds_or_names(lambda: RunConfig.from_dict(data), list(data))
+
+
+@pytest.mark.parametrize("changes", [{"deterministic": 7}, {"pin_memory": b"x"}, {"name": object()},
+                                     {"faults": "raise"}, {"faults": [{"kind": "raise", "step": 1}]},
+                                     {"faults": [{"kind": "raise", "rank": "0", "step": 1}]}])
+def test_the_wrong_types_a_user_met_are_named(changes):
+    field = next(iter(changes))
+    with pytest.raises(ConfigError, match=rf"RunConfig\.{field}"):
+        RunConfig.from_dict(changes) if field == "faults" else RunConfig(**changes)

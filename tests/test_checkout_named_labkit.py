@@ -1,0 +1,31 @@
+"""The README clones the repository into a folder named `labkit`, so every path in it contains "/labkit/labkit/".
+Code that told labkit's own files apart by a substring of the path broke only there (CI clones elsewhere). This
+runs the path-sensitive tests again in a copy of the tree inside a folder named `labkit`."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PATH_SENSITIVE = ["tests/test_launch.py", "tests/test_failures.py"]
+
+
+@pytest.mark.timeout(300)
+def test_the_path_sensitive_tests_pass_in_a_checkout_named_labkit(tmp_path):
+    checkout = tmp_path / "labkit"
+    tracked = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.split()
+    for name in tracked:
+        if (ROOT / name).is_file():
+            (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, checkout / name)
+    env = {**os.environ, "PYTHONPATH": str(checkout)}  # the copy's labkit, not the installed one
+    where = subprocess.run([sys.executable, "-c", "import labkit; print(labkit.__file__)"], cwd=checkout, env=env,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert where == str(checkout / "labkit" / "__init__.py")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", *PATH_SENSITIVE], cwd=checkout, env=env,
+                            capture_output=True, text=True, timeout=280)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
