@@ -21,9 +21,10 @@ from .config import ConfigError, Fault, RunConfig, pick, quick_mode
 from .records import Run, load_run
 from .run import LaunchError, RankContext, RankFailure, launch
 from .train.loop import NonFiniteLoss, train
+from .tricks import memory
 from .view import compare, curves
 
 __version__ = "0.1.0"
 
 __all__ = ["RunConfig", "Fault", "ConfigError", "pick", "quick_mode", "launch", "LaunchError", "RankFailure",
-           "train", "NonFiniteLoss", "compare", "curves", "RankContext", "Run", "load_run"]
+           "train", "NonFiniteLoss", "compare", "curves", "RankContext", "Run", "load_run", "memory"]

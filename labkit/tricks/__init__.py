@@ -6,6 +6,7 @@
     loading.py     data loading: where a step's time goes                          (lesson 05)
     averaging.py   sync vs async: local SGD, Hogwild                               (lesson 06)
     sharding.py    data sharding: DistributedSampler's traps, Join                 (lesson 07)
+    memory.py      ZeRO's model-state formulas (also labkit.memory)                (lesson 14)
 
     from labkit.tricks import comm
     comm.benchmark(world_size=2)

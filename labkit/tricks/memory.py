@@ -1,0 +1,70 @@
+"""How many bytes of model state each device holds under data parallelism, ZeRO's stages and tensor parallelism:
+the formulas of the ZeRO paper (Rajbhandari et al., 2020, section 5) as pure functions.
+
+    from labkit.tricks import memory          # also reachable as labkit.memory
+    memory.model_state_bytes(7.5e9, stage=0, dp=64)          # 1.2e11: the paper's 120 GB baseline
+    memory.model_state_bytes(7.5e9, stage=3, dp=64)          # 1.875e9: 1.9 GB with everything sharded
+    memory.state_breakdown(1e6, stage=1, dp=2, param_bytes=4, grad_bytes=4, k=8)   # fp32 Adam on CPU, by part
+
+Model state is three things per parameter: the parameter (2 bytes in fp16/bf16), its gradient (2 bytes), and the
+optimizer state (K bytes; mixed-precision Adam keeps an fp32 master copy, momentum and variance: K = 4 + 4 + 4 = 12).
+With Ψ parameters and N_d data-parallel ranks:
+
+    stage 0  plain DDP, every rank holds everything       (2 + 2 + K) Ψ
+    stage 1  P_os: optimizer state sharded                 2Ψ + 2Ψ + KΨ/N_d
+    stage 2  P_os+g: and gradients                         2Ψ + (2 + K)Ψ/N_d
+    stage 3  P_os+g+p: and parameters (FSDP)               (2 + 2 + K)Ψ/N_d
+
+Tensor parallelism of degree T splits each layer's matrices over T ranks first: every rank holds Ψ/T of the model,
+which the data-parallel formulas above then divide further. Activations are not model state: see the lesson.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes of model state on one rank, by part."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def state_breakdown(num_params: float, *, stage: int, dp: int, tp: int = 1, param_bytes: float = 2,
+                    grad_bytes: float = 2, k: float = 12) -> StateBytes:
+    """Per-rank bytes of parameters, gradients and optimizer state at ZeRO `stage` over `dp` data-parallel ranks,
+    after tensor parallelism of degree `tp`:  state_breakdown(1e6, stage=2, dp=4).total."""
+    _check(num_params, stage, dp, tp, k)
+    for name, value in (("param_bytes", param_bytes), ("grad_bytes", grad_bytes)):
+        if not value > 0:
+            raise ValueError(f"{name} = {value!r}: must be > 0 (bytes per element: 2 for fp16/bf16, 4 for fp32)")
+    psi = num_params / tp
+    return StateBytes(params=param_bytes * psi / (dp if stage >= 3 else 1),
+                      grads=grad_bytes * psi / (dp if stage >= 2 else 1),
+                      optimizer=k * psi / (dp if stage >= 1 else 1))
+
+
+def model_state_bytes(num_params: float, *, stage: int, dp: int, tp: int = 1, k: float = 12) -> float:
+    """The ZeRO paper's per-device model-state bytes for mixed-precision training (2-byte parameters and gradients,
+    K bytes of optimizer state per parameter); stage 0 is plain DDP:  model_state_bytes(7.5e9, stage=1, dp=64)."""
+    return state_breakdown(num_params, stage=stage, dp=dp, tp=tp, k=k).total
+
+
+def _check(num_params: float, stage: int, dp: int, tp: int, k: float) -> None:
+    if isinstance(num_params, bool) or not isinstance(num_params, (int, float)) or not num_params > 0:
+        raise ValueError(f"num_params = {num_params!r}: must be a number of parameters > 0")
+    if stage not in STAGES or isinstance(stage, bool):
+        raise ValueError(f"stage = {stage!r}: must be 0 (DDP), 1 (optimizer state), 2 (+ gradients) or 3 (+ params)")
+    for name, value in (("dp", dp), ("tp", tp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} = {value!r}: must be a whole number of ranks >= 1")
+    if isinstance(k, bool) or not isinstance(k, (int, float)) or k < 0:
+        raise ValueError(f"k = {k!r}: must be the optimizer's bytes of state per parameter, >= 0 (Adam: 12)")

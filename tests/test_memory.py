@@ -1,0 +1,44 @@
+"""labkit.memory: the ZeRO paper's formulas, checked against values worked out by hand."""
+import pytest
+
+import labkit
+from labkit.tricks.memory import model_state_bytes, state_breakdown
+
+GB = 1e9
+
+
+def test_the_papers_worked_example():
+    # ZeRO paper, figure 1: a 7.5B-parameter model on 64 data-parallel GPUs, mixed-precision Adam (K = 12).
+    assert model_state_bytes(7.5e9, stage=0, dp=64) / GB == pytest.approx(120.0)
+    assert model_state_bytes(7.5e9, stage=1, dp=64) / GB == pytest.approx(31.40625)   # 30 + 90/64
+    assert model_state_bytes(7.5e9, stage=2, dp=64) / GB == pytest.approx(16.640625)  # 15 + 105/64
+    assert model_state_bytes(7.5e9, stage=3, dp=64) / GB == pytest.approx(1.875)      # 120/64
+
+
+def test_small_cases_by_hand():
+    # 1000 parameters, 2 ranks: stage 1 = 2000 + 2000 + 12000/2 = 10000 bytes
+    assert model_state_bytes(1000, stage=1, dp=2) == 10_000
+    # stage 2 = 2000 + (2000 + 12000)/2 = 9000; stage 3 = 16000/2 = 8000
+    assert model_state_bytes(1000, stage=2, dp=2) == 9_000
+    assert model_state_bytes(1000, stage=3, dp=2) == 8_000
+    # tensor parallelism halves the model first: stage 3, dp 2, tp 2 -> 16000/2/2
+    assert model_state_bytes(1000, stage=3, dp=2, tp=2) == 4_000
+    # one rank: every stage is the baseline
+    assert {model_state_bytes(1000, stage=s, dp=1) for s in range(4)} == {16_000}
+
+
+def test_fp32_adam_on_cpu_by_part():
+    parts = state_breakdown(1000, stage=1, dp=4, param_bytes=4, grad_bytes=4, k=8)
+    assert (parts.params, parts.grads, parts.optimizer, parts.total) == (4000, 4000, 2000, 10_000)
+
+
+def test_reachable_as_labkit_memory():
+    assert labkit.memory.model_state_bytes(1000, stage=0, dp=8) == 16_000
+
+
+@pytest.mark.parametrize("kwargs, message", [({"stage": 4, "dp": 2}, "stage"), ({"stage": 1, "dp": 0}, "dp"),
+                                             ({"stage": 1, "dp": 2, "tp": 1.5}, "tp"),
+                                             ({"stage": 1, "dp": 2, "k": -1}, "k")])
+def test_bad_arguments_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        model_state_bytes(1000, **kwargs)
