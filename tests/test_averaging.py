@@ -54,10 +54,22 @@ def test_a_larger_period_lets_ranks_diverge_and_brings_them_together_at_each_ave
     assert after[1] < after[2] < after[3] < before[4] and before[5] < before[6]   # growing between averagings
     assert run.df.groupby("step")["divergence"].nunique().eq(1).all()  # every rank measures the same number
     params = sum(p.numel() for p in shared_model(CFG).parameters())
-    assert _rank0(run, "comm_bytes") == [params * 4 if s in averaged else 0 for s in range(7)]
+    assert _rank0(run, "comm_bytes") == [params * 4 if s in averaged else 0 for s in range(7)]   # counted
+    assert _rank0(run, "allreduces") == [int(s in averaged) for s in range(7)]
     # the run ends between averagings; the model it keeps is the ranks' mean, the same on both
     assert run.result(0)["final_divergence"] == after[-1] > 0
     assert run.result(0)["eval_accuracy"] == run.result(1)["eval_accuracy"]
+
+
+def test_an_averager_that_sends_nothing_fails_lesson_06s_traffic_and_reunion_asserts(runs_root, monkeypatch):
+    # As if the parameters were never averaged (every .grad None, or a frozen model): nothing is sent, and the
+    # records say so, where a byte count derived from the schedule would still have claimed 1/period of sync's.
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    monkeypatch.setattr(PeriodicModelAverager, "average_parameters", lambda self, params: None)
+    run = labkit.launch(LocalSGD(period=4), config=CFG, runs_root=runs_root, echo=False, timeout=30)
+    t = timeline(run)
+    assert t["comm_bytes"].sum() == 0 and t["averaged"].sum() == 0     # lesson 06: "1/k of sync's bytes" fails
+    assert (t["divergence"] > 0).all()                                  # lesson 06: "drops to exactly 0" fails
 
 
 def test_warmup_all_reduces_gradients_first_then_goes_local(runs_root, no_leftovers):
@@ -65,6 +77,9 @@ def test_warmup_all_reduces_gradients_first_then_goes_local(runs_root, no_leftov
     before, after = _rank0(run, "divergence_before"), _rank0(run, "divergence")
     assert before[:3] == [0.0] * 3 and all(b > 0 for b in before[3:])
     assert [s for s in range(7) if after[s] == 0.0] == [0, 1, 2, 3]   # synchronous, then averaged at step 3
+    params = sum(p.numel() for p in shared_model(CFG).parameters())
+    # gradients all-reduced with the other rank for 3 steps, then parameters at step 3, then nothing leaves a rank
+    assert _rank0(run, "comm_bytes") == [params * 4] * 4 + [0] * 3
 
 
 def test_timeline_counts_samples_and_wall_time(runs_root):
@@ -82,6 +97,7 @@ def test_hogwild_ranks_train_the_one_model_in_shared_memory(runs_root, no_leftov
     run = labkit.launch(Hogwild(model), config=cfg, runs_root=runs_root, echo=False, timeout=30,
                         start_method="fork")
     assert sorted(run.df["rank"].unique()) == [0, 1] and len(run.df) == 40
+    assert run.df["allreduces"].sum() == run.df["comm_bytes"].sum() == 0    # counted: no collective at all
     assert all(not torch.equal(a, p) for a, p in zip(start, model.parameters()))  # written by the ranks
     steps = run.steps()
     assert steps["loss"].iloc[-5:].mean() < steps["loss"].iloc[:5].mean()

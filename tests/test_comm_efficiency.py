@@ -1,15 +1,18 @@
-"""What lesson 04 asserts that tests/test_commhooks.py does not: accumulation arithmetic and bytes, what autocast
-changes (activations) and does not (gradients on the wire), GradScaler's skip-and-halve on CPU, PowerSGD's payload on
-the tiny GPT-2, and torch's bf16 hook refusing gloo."""
+"""Lesson 04's machinery (labkit.tricks.commeff, labkit.tricks.precision) and what the lesson asserts that
+tests/test_commhooks.py does not: accumulation arithmetic and bytes, what autocast changes (activations) and does
+not (gradients on the wire), GradScaler's skip-and-halve on CPU, PowerSGD's predicted payload, torch's bf16 hook
+refusing gloo, the bucket experiment, and the tables and figures the lesson draws from runs."""
+import functools
+
+import pandas as pd
 import pytest
 import torch
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel import DistributedDataParallel as DDP
+from matplotlib.figure import Figure
 
 import labkit
 from labkit import RunConfig
-from labkit.train.commhooks import powersgd_bytes
 from labkit.train.tasks import make_task
+from labkit.tricks import commeff, precision
 
 
 @pytest.mark.parametrize("accum", [1, 2, 4, 8])
@@ -47,28 +50,20 @@ def test_accumulating_with_no_sync_is_the_same_update_as_one_big_batch(runs):
     assert runs["no_sync x2"].steps()["loss"].tolist() == pytest.approx(runs["fp32"].steps()["loss"].tolist(), abs=1e-5)
 
 
-def test_powersgd_sends_less_at_a_lower_rank_and_far_less_than_fp32_on_the_tiny_gpt2():
-    grads = [p.detach() for p in make_task(RunConfig(world_size=2)).build_model().parameters()]
-    full = powersgd_bytes(grads, 1, compressing=False)
-    assert full == fp32_gradient_bytes()
-    assert powersgd_bytes(grads, 1) < full / 20 and powersgd_bytes(grads, 1) < powersgd_bytes(grads, 4) < full / 5
-
-
-def try_torch_bf16_hook(ctx):
-    ddp = DDP(torch.nn.Linear(4, 4))
-    try:
-        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-        ddp(torch.randn(2, 4)).sum().backward()
-        return "ran"
-    except Exception as exc:  # noqa: BLE001 - what it raises is the point
-        return f"{type(exc).__name__}: {exc}"
+def test_powersgd_payload_is_the_low_rank_factors_of_large_matrices_only():
+    shapes = [torch.Size([100, 50]), torch.Size([50]), torch.Size([4, 4])]
+    # 100x50 at rank 2: P 100x2 + Q 50x2 = 300 elements; the bias whole; 4x4 would not halve at rank 2: whole
+    assert commeff.powersgd_payload(shapes, rank=2) == (300 + 50 + 16) * 4
+    tiny = commeff.gradient_shapes(RunConfig(world_size=2))
+    one, four = commeff.powersgd_payload(tiny, 1), commeff.powersgd_payload(tiny, 4)
+    assert one < fp32_gradient_bytes() / 20 and one < four < fp32_gradient_bytes() / 5
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is a CPU/gloo fact")
 def test_torchs_bf16_compress_hook_refuses_gloo_on_cpu(runs_root):
-    outcome = labkit.launch(try_torch_bf16_hook, world_size=1, runs_root=runs_root, echo=False,
+    outcome = labkit.launch(commeff.try_torch_bf16_hook, world_size=1, runs_root=runs_root, echo=False,
                             progress=False).result(0)
-    assert outcome != "ran" and "NCCL" in outcome
+    assert outcome != "registered and ran" and "NCCL" in outcome
 
 
 def test_autocast_keeps_gradients_fp32_so_the_wire_bytes_do_not_change(runs):
@@ -77,28 +72,15 @@ def test_autocast_keeps_gradients_fp32_so_the_wire_bytes_do_not_change(runs):
 
 
 def test_autocast_halves_a_layers_output_and_shrinks_what_backward_keeps():
-    task = make_task(RunConfig(world_size=1, global_batch=8))
-    torch.manual_seed(0)
-    model = task.build_model()
-    inputs, targets = task.batch(0, 0, 0)
-    measured = {}
-    for name, enabled in (("fp32", False), ("bf16", True)):
-        outputs, saved = [], {}
-
-        def pack(tensor):
-            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-            return tensor
-        handle = model.transformer.h[0].mlp.c_fc.register_forward_hook(lambda m, a, out: outputs.append(out))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            loss, _ = task.loss(model, inputs, targets)
-        loss.backward()
-        handle.remove()
-        measured[name] = (outputs[0].dtype, outputs[0].element_size(), sum(saved.values()))
-        assert all(p.grad.dtype == torch.float32 for p in model.parameters())
-        model.zero_grad(set_to_none=True)
-    assert measured["fp32"][:2] == (torch.float32, 4) and measured["bf16"][:2] == (torch.bfloat16, 2)
-    assert 0.4 < measured["bf16"][2] / measured["fp32"][2] < 0.75
+    facts = precision.autocast_facts(RunConfig(world_size=2), batch_size=8)
+    assert facts.loc["fp32", "first MLP layer output"].startswith("float32")
+    assert facts.loc["bf16", "first MLP layer output"].startswith("bfloat16")
+    assert facts.loc["fp16", "first MLP layer output"].startswith("float16")
+    assert facts.loc["bf16", "its bytes"] * 2 == facts.loc["fp32", "its bytes"]
+    assert 0.4 < facts.loc["bf16", "saved for backward (MiB)"] / facts.loc["fp32", "saved for backward (MiB)"] < 0.75
+    assert (facts["gradient dtype"] == "float32").all()
+    small = precision.autocast_facts(RunConfig(world_size=2), batch_size=2, precisions=("fp32",))
+    assert small.loc["fp32", "saved for backward (MiB)"] < facts.loc["fp32", "saved for backward (MiB)"] / 2
 
 
 def scaled_fp16_step(init_scale, growth_interval=2000):
@@ -125,3 +107,50 @@ def test_grad_scaler_on_cpu_skips_an_overflowing_step_and_halves_the_scale():
 def test_grad_scaler_on_cpu_steps_when_finite_and_grows_after_growth_interval():
     changed, scale = scaled_fp16_step(2.0, growth_interval=1)
     assert changed and scale == 4.0
+
+
+def test_the_lessons_tables_and_figures_come_from_the_runs(runs):
+    table = commeff.accumulation_table({(2, "naive"): runs["naive x2"], (2, "no_sync"): runs["no_sync x2"]}, warm=0)
+    assert table["all-reduces per step"].tolist() == [2, 1] and table["samples per step"].tolist() == [16, 16]
+    assert table.loc[(2, "naive"), "KiB per step"] == 2 * table.loc[(2, "no_sync"), "KiB per step"]
+    payloads = commeff.payload_table({"fp32": runs["fp32"]}, fp32_gradient_bytes(), warm=0)
+    assert payloads.loc["fp32", "vs fp32"] == 1.0 and payloads.loc["fp32", "collectives per step"] == 1
+    amp = precision.run_table({"fp32": runs["fp32"], "bf16": runs["bf16"]}, warm=0)
+    assert amp["skipped steps"].tolist() == [0, 0] and amp["last loss scale"].tolist() == [1.0, 1.0]
+    assert isinstance(commeff.plot_accumulation(table), Figure)
+    assert isinstance(commeff.plot_payloads({"fp32": runs["fp32"]}, warm=0), Figure)
+
+
+def test_steps_refuses_runs_whose_ranks_disagree_on_what_they_sent(runs):
+    run = runs["fp32"]
+    run.df.loc[0, "comm_bytes"] += 1           # as if one rank had sent a byte more (a cached copy, not the file)
+    try:
+        with pytest.raises(ValueError, match="comm_bytes"):
+            commeff.steps(run)
+    finally:
+        run.df.loc[0, "comm_bytes"] -= 1
+
+
+def test_bucket_timing_counts_fewer_all_reduces_for_bigger_buckets(runs_root, no_leftovers):
+    cfg = RunConfig(world_size=2, global_batch=16, lr=3e-3, tensorboard=False)
+    run = labkit.launch(functools.partial(commeff.bucket_timing, caps=(0.01, 25.0), steps=3), config=cfg,
+                        runs_root=runs_root, echo=False, progress=False)
+    table = commeff.bucket_table({"tiny": run}, warm=1)
+    counts = table.loc["tiny", "allreduces"].tolist()
+    assert counts[0] > counts[1] == 1 and table.loc[("tiny", 25.0), "tensors"] == len(commeff.gradient_shapes(cfg))
+    assert 0 <= table.loc[("tiny", 0.01), "first_launch"] < table.loc[("tiny", 25.0), "first_launch"] <= 1
+    assert isinstance(commeff.plot_buckets(table), Figure)
+
+
+def test_wire_table_scales_measured_bytes_per_element():
+    assert commeff.wire_gb(7000, 2.0) == 14.0 and commeff.wire_gb(1000, 4.0, grad_accum=8, no_sync=False) == 32.0
+    table = commeff.wire_table({"fp16": 2.0}, params_millions=(1000,), grad_accum=4)
+    assert table.iloc[0]["naive x4 (GB/step)"] == 4 * table.iloc[0]["no_sync x4 (GB/step)"] == 8.0
+
+
+def test_autocast_speed_and_cpu_flags_are_measured_here():
+    speed = precision.autocast_speed(RunConfig(world_size=2), batch_size=4, repeats=2)
+    assert list(speed.index) == ["fp32", "bf16", "fp16"] and speed.loc["fp32", "model vs fp32"] == 1.0
+    assert (speed.iloc[:, 1] > 0).all() and set(precision.cpu_16bit_flags()) <= precision.FLAGS_16BIT
+    history = pd.DataFrame({"scale": [4.0, 2.0, 2.0], "weights changed": [False, True, True]})
+    assert isinstance(precision.plot_loss_scale(history), Figure)

@@ -39,3 +39,20 @@ def test_launch_rejects_env_for_a_rank_that_does_not_exist(runs_root):
     import pytest
     with pytest.raises(labkit.LaunchError, match="env"):
         labkit.launch(envcheck.gather_worker, world_size=2, env={2: {"A": "1"}}, runs_root=runs_root)
+
+
+def test_a_fingerprint_is_checked_against_the_lock_and_a_package_off_by_one_version_is_named():
+    lock = "# comment\nnumpy==2.4.6\ntorch==2.13.0  # first\nPandas==3.1.1\n"
+    assert envcheck.locked_versions(lock) == {"numpy": "2.4.6", "torch": "2.13.0", "pandas": "3.1.1"}
+    fp = {"torch": "2.13.0+cpu", "numpy": "2.4.6", "pandas": "3.1.1", "transformers": "5.24.0",
+          "scikit-learn": "not installed", "tensorboard": "2.21.0"}
+    off = envcheck.against_lock(fp, lock)
+    assert off == {"transformers": ("5.24.0", "not pinned"), "scikit-learn": ("not installed", "not pinned"),
+                   "tensorboard": ("2.21.0", "not pinned")}
+    assert envcheck.against_lock({**fp, "numpy": "2.4.5"}, lock)["numpy"] == ("2.4.5", "2.4.6")
+
+
+def test_this_environment_runs_exactly_what_the_kits_lock_pins():
+    from pathlib import Path
+    lock = (Path(__file__).parents[1] / "requirements.lock").read_text()
+    assert envcheck.against_lock(envcheck.fingerprint(), lock) == {}

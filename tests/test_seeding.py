@@ -1,4 +1,5 @@
 """Seeds: what is shared across ranks, what is per rank, and runs that repeat bit for bit."""
+import importlib
 import random
 
 import numpy as np
@@ -8,7 +9,7 @@ import torch
 
 import labkit
 from labkit import RunConfig
-from labkit.train.seeding import rank_seed, rng_fingerprint, seed_everything
+from labkit.train.seeding import determinism_switches, rank_seed, rng_fingerprint, seed_everything
 
 # Fields that measure the machine, not the computation: they differ between any two runs.
 TIMING_FIELDS = {"time", "t_data", "t_fwd_bwd", "t_optim", "t_step", "rss_mb", "peak_growth_mb"}
@@ -43,3 +44,23 @@ def test_two_seeded_runs_produce_identical_records_field_by_field(runs_root):
     pd.testing.assert_frame_equal(_computed(a), _computed(b), check_exact=True)  # bit for bit; NaN where NaN
     other = labkit.launch(cfg.replace(seed=1), runs_root=runs_root, echo=False)
     assert _computed(other)["loss"].tolist() != _computed(a)["loss"].tolist()
+
+
+def train_then_read_switches(ctx):
+    labkit.train(ctx)
+    return determinism_switches()
+
+
+def test_deterministic_true_takes_effect_inside_the_ranks_and_a_no_op_switch_is_caught(runs_root, monkeypatch):
+    cfg = RunConfig(task="digits", world_size=2, steps=2, tensorboard=False, save_final=False)
+    strict = labkit.launch(train_then_read_switches, config=cfg.replace(deterministic=True), runs_root=runs_root,
+                           echo=False)
+    plain = labkit.launch(train_then_read_switches, config=cfg, runs_root=runs_root, echo=False)
+    assert [strict.result(r)["deterministic_algorithms"] for r in range(2)] == [True, True]
+    assert [plain.result(r)["deterministic_algorithms"] for r in range(2)] == [False, False]
+    assert strict.result(0)["cudnn.benchmark"] is False and strict.result(0)["CUBLAS_WORKSPACE_CONFIG"]
+    # A switch that does nothing: lesson 08's assert, read inside the ranks, now fails.
+    monkeypatch.setattr(importlib.import_module("labkit.train.loop"), "set_deterministic", lambda enabled=True: None)
+    broken = labkit.launch(train_then_read_switches, config=cfg.replace(deterministic=True), runs_root=runs_root,
+                           echo=False)
+    assert not any(broken.result(r)["deterministic_algorithms"] for r in range(2))

@@ -4,7 +4,8 @@
     tasks.py       the built-in tasks: a model, the batches of each step, a loss
     data.py        which samples each step sees; the digits DataLoader pipeline
     schedule.py    learning-rate schedules as pure functions of the step
-    commhooks.py   how DDP sends gradients, counted
+    commhooks.py   how DDP sends gradients, and the collectives a rank really issued, counted
+    amp.py         mixed precision: autocast, and whether GradScaler let each optimizer step happen
     faults.py      failures injected on purpose
     seeding.py     seeds, RNG fingerprints, determinism switches
 

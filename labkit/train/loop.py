@@ -6,10 +6,13 @@
 Per step and rank it records (records.py has the file layout):
     loss        this rank's loss (mean over its micro-batches); Run.steps() averages it over ranks, which is
                 exactly the global loss (equal batches per rank) without an extra all-reduce per step
-    lr, grad_norm (before clipping), samples and tokens this rank processed
+    lr, grad_norm (before clipping), samples and tokens this rank processed (rows of the inputs it ran)
     t_data, t_fwd_bwd (includes DDP's all-reduce of gradients, overlapped with backward), t_optim,
     t_step      wall time since the previous step ended (so it includes writing the previous record)
-    allreduces, comm_bytes   gradient all-reduces this step and their payload (RunConfig.comm_hook; commhooks.py)
+    allreduces, comm_bytes   collectives this rank issued this step (DDP's comm hook: RunConfig.comm_hook) and the
+                bytes of the tensors handed to them, counted at torch.distributed (commhooks.py)
+    loss_scale, skipped_step   what the loss was multiplied by before backward (GradScaler under fp16, else 1.0);
+                1 when the optimizer did not step (GradScaler found an inf/NaN gradient), counted by a hook (amp.py)
     rss_mb      resident memory of the rank; peak_growth_mb its peak above the level before the first step
                 (RunConfig.memory_budget_mb turns it into an out-of-memory error); cuda_peak_mb on GPUs
     accuracy / eval_accuracy on tasks that have them
@@ -25,7 +28,8 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .commhooks import install_comm_hook, single_bucket_mb
+from .amp import StepCounter, autocast
+from .commhooks import count_collectives, install_comm_hook, single_bucket_mb
 from .faults import inject, nan_factor
 from .schedule import lr_for_config
 from .seeding import seed_everything, set_deterministic
@@ -53,37 +57,40 @@ def train(ctx: Any, config: Any = None) -> None:
     seed_everything(config.seed, rank=ctx.rank)  # from here on (dropout, augmentation): a stream per rank
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
               bucket_cap_mb=_bucket_cap_mb(config, model, ctx))
-    comm = install_comm_hook(ddp, config.comm_hook, powersgd_rank=config.powersgd_rank)
+    install_comm_hook(ddp, config.comm_hook, powersgd_rank=config.powersgd_rank)
     optimizer = make_optimizer(config, model.parameters())
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=config.precision == "fp16")
+    taken = StepCounter(optimizer)
     baseline = _rss_bytes()
     step_started = time.perf_counter()
-    for step in range(config.steps):
-        ctx.heartbeat(step)
-        inject(config.faults, ctx.rank, step)
-        lr = lr_for_config(step, config)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        with _reported_as_out_of_memory(config, step):
-            loss, extras, t_data, t_fwd_bwd = _forward_backward(ddp, task, ctx, config, scaler, step)
-        t0 = time.perf_counter()
-        grad_norm = _optimizer_step(model, optimizer, scaler, config.clip_norm)
-        t_optim = _elapsed(t0, ctx.device)
-        if config.eval_every and ((step + 1) % config.eval_every == 0 or step == config.steps - 1):
-            extras.update(task.evaluate(model))
-        allreduces, comm_bytes = comm.take()
-        memory = memory_fields(ctx.device, baseline)
-        now = time.perf_counter()
-        ctx.record(step, loss=loss, lr=lr, grad_norm=grad_norm,
-                   samples=task.batch_size * config.grad_accum,
-                   tokens=task.batch_size * config.grad_accum * task.tokens_per_sample,
-                   t_data=t_data, t_fwd_bwd=t_fwd_bwd, t_optim=t_optim, t_step=now - step_started,
-                   allreduces=allreduces, comm_bytes=comm_bytes, **memory, **extras)
-        step_started = now
-        _check_memory_budget(config, memory["peak_growth_mb"], step, task.batch_size)
-        if config.stop_on_nan and not math.isfinite(loss):
-            raise NonFiniteLoss(f"loss is {loss} at step {step} on rank {ctx.rank}; "
-                                "lower the LR, clip gradients (clip_norm) or warm up")
+    with count_collectives() as wire:  # what this rank really hands to torch.distributed, step by step
+        for step in range(config.steps):
+            ctx.heartbeat(step)
+            inject(config.faults, ctx.rank, step)
+            lr = lr_for_config(step, config)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_scale, steps_before = scaler.get_scale(), taken.steps
+            with _reported_as_out_of_memory(config, step):
+                loss, extras, t_data, t_fwd_bwd, samples = _forward_backward(ddp, task, ctx, config, scaler, step)
+            t0 = time.perf_counter()
+            grad_norm = _optimizer_step(model, optimizer, scaler, config.clip_norm)
+            t_optim = _elapsed(t0, ctx.device)
+            if config.eval_every and ((step + 1) % config.eval_every == 0 or step == config.steps - 1):
+                extras.update(task.evaluate(model))
+            allreduces, comm_bytes = wire.take()
+            memory = memory_fields(ctx.device, baseline)
+            now = time.perf_counter()
+            ctx.record(step, loss=loss, lr=lr, grad_norm=grad_norm,
+                       samples=samples, tokens=samples * task.tokens_per_sample,
+                       t_data=t_data, t_fwd_bwd=t_fwd_bwd, t_optim=t_optim, t_step=now - step_started,
+                       allreduces=allreduces, comm_bytes=comm_bytes, loss_scale=loss_scale,
+                       skipped_step=int(taken.steps == steps_before), **memory, **extras)
+            step_started = now
+            _check_memory_budget(config, memory["peak_growth_mb"], step, task.batch_size)
+            if config.stop_on_nan and not math.isfinite(loss):
+                raise NonFiniteLoss(f"loss is {loss} at step {step} on rank {ctx.rank}; "
+                                    "lower the LR, clip gradients (clip_norm) or warm up")
     getattr(task, "close", lambda: None)()  # stop DataLoader workers after the last step, not inside it
     if config.save_final:
         (ctx.run_dir / "final").mkdir(exist_ok=True)
@@ -91,9 +98,10 @@ def train(ctx: Any, config: Any = None) -> None:
 
 
 def _forward_backward(ddp: DDP, task: Task, ctx: Any, config: Any, scaler: Any,
-                      step: int) -> tuple[float, dict, float, float]:
-    """All micro-batches of one step; DDP all-reduces gradients only on the last one (no_sync before it)."""
-    loss_total, extras, t_data, t_fwd_bwd = 0.0, {}, 0.0, 0.0
+                      step: int) -> tuple[float, dict, float, float, int]:
+    """All micro-batches of one step; DDP all-reduces gradients only on the last one (no_sync before it).
+    Returns the loss, the task's extras, data and forward/backward seconds, and the samples that went through."""
+    loss_total, extras, t_data, t_fwd_bwd, samples = 0.0, {}, 0.0, 0.0, 0
     for micro in range(config.grad_accum):
         t0 = time.perf_counter()
         inputs, targets = (t.to(ctx.device, non_blocking=True) for t in task.batch(step, micro, ctx.rank))
@@ -106,7 +114,8 @@ def _forward_backward(ddp: DDP, task: Task, ctx: Any, config: Any, scaler: Any,
         t_data += t1 - t0
         t_fwd_bwd += _elapsed(t1, ctx.device)
         loss_total += loss.item() / config.grad_accum
-    return loss_total, extras, t_data, t_fwd_bwd
+        samples += len(inputs)
+    return loss_total, extras, t_data, t_fwd_bwd, samples
 
 
 def _optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,
@@ -163,14 +172,6 @@ def make_optimizer(config: Any, params: Any) -> torch.optim.Optimizer:
     if config.optimizer == "adam":
         return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
     return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-
-
-def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """Mixed-precision context for fp16/bf16; nothing for fp32."""
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def memory_fields(device: torch.device, baseline: int = 0) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """Seeds that make runs repeatable, and the streams that must (and must not) match across ranks.
 
-    from labkit.seeding import seed_everything, rng_fingerprint
+    from labkit.train.seeding import seed_everything, rng_fingerprint
     seed_everything(1234)                 # before building the model: the SAME on every rank -> same initial weights
     model = build_model()
     seed_everything(1234, rank=ctx.rank)  # after: a seed of this rank's own -> dropout, augmentation differ by rank
@@ -60,3 +60,12 @@ def set_deterministic(enabled: bool = True) -> None:
     torch.use_deterministic_algorithms(enabled)
     torch.backends.cudnn.deterministic = enabled
     torch.backends.cudnn.benchmark = not enabled
+
+
+def determinism_switches() -> dict[str, object]:
+    """What this process's determinism switches read now (call it inside a rank to see what took effect there):
+    determinism_switches()["deterministic_algorithms"] -> torch.are_deterministic_algorithms_enabled()."""
+    return {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "cudnn.deterministic": torch.backends.cudnn.deterministic,
+            "cudnn.benchmark": torch.backends.cudnn.benchmark,
+            "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}

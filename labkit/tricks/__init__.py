@@ -3,6 +3,8 @@
     envcheck.py    pin your versions: per-rank fingerprints and what differs       (lesson 01)
     comm.py        backends and bandwidth: collective benchmarks, the ring model   (lesson 02)
     scaling.py     GPUs x batch per GPU: scaling efficiency, the linear LR rule    (lesson 03)
+    commeff.py     communication efficiency: accumulation, compression, buckets    (lesson 04)
+    precision.py   mixed precision: what autocast changes, costs, and skips        (lesson 04)
     loading.py     data loading: where a step's time goes                          (lesson 05)
     averaging.py   sync vs async: local SGD, Hogwild                               (lesson 06)
     sharding.py    data sharding: DistributedSampler's traps, Join                 (lesson 07)

@@ -1,7 +1,7 @@
 """All-reduce every step, or not: synchronous DDP, local SGD (periodic model averaging) and Hogwild.
 
     from labkit import RunConfig, launch
-    from labkit.averaging import LocalSGD, Hogwild, sync_ddp, shared_model, timeline, plot_timelines
+    from labkit.tricks.averaging import LocalSGD, Hogwild, sync_ddp, shared_model, timeline, plot_timelines
     cfg = RunConfig(task="digits", world_size=2, optimizer="sgd", lr=0.05, steps=200, tensorboard=False)
     sync = launch(sync_ddp, config=cfg, name="sync")               # Horovod's recipe, in torch.distributed
     p4 = launch(LocalSGD(period=4), config=cfg, name="period 4")   # post-local SGD: average every 4 steps
@@ -12,16 +12,18 @@
 
 Records per step and rank, besides loss, lr, samples and t_step (what labkit.compare draws):
     divergence_before  max over ranks r of ||params_r - params_0|| after this step's local update, before averaging
-    divergence         the same once the step is complete (after averaging, when this step averaged)
-    averaged           1 when parameters were averaged at this step
-    comm_bytes         bytes this rank all-reduced with other ranks this step (gradients, or parameters)
+    divergence         the same, measured again once the step is complete (after averaging, if it averaged)
+    averaged           1 when this rank all-reduced its parameters at this step (seen by the collective counter)
+    allreduces, comm_bytes   collectives this rank issued with other ranks this step (gradients, parameters) and
+                       the bytes of the tensors handed to them, counted at torch.distributed (train.commhooks)
     t_step             the step's own work: data, forward/backward (with DDP's all-reduce), optimizer, averaging.
-                       The divergence measurement (an all_gather) is timed apart, as t_measure, and left out.
+                       The divergence measurements (all_gathers) are timed apart, as t_measure, and neither timed
+                       nor counted with the method.
 """
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import pandas as pd
 import torch
@@ -35,6 +37,7 @@ from torch.distributed.algorithms.model_averaging.utils import average_parameter
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..records import Run, per_step
+from ..train.commhooks import count_collectives
 from ..train.loop import NonFiniteLoss, make_optimizer
 from ..train.schedule import lr_for_config
 from ..train.seeding import seed_everything
@@ -80,17 +83,6 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int = 0) ->
         optimizer.load_state_dict(state[0])
 
 
-def _counting(hook: Callable[..., Any], cross_rank: Callable[[Any], bool]) -> tuple[Callable[..., Any], list[int]]:
-    """Wrap a DDP comm hook to add up the bytes it all-reduces with other ranks (cross_rank(state) says when)."""
-    sent = [0]
-
-    def counted(state, bucket):  # unannotated on purpose: DDP checks a hook's annotations
-        if cross_rank(state):
-            sent[0] += bucket.buffer().numel() * bucket.buffer().element_size()
-        return hook(state, bucket)
-    return counted, sent
-
-
 def _setup(ctx: Any, config: Any) -> tuple[Any, nn.Module, DDP, torch.optim.Optimizer]:
     """Task, model, DDP and optimizer, the Horovod recipe's set-up in torch.distributed terms."""
     if config.grad_accum != 1:
@@ -109,21 +101,19 @@ def _setup(ctx: Any, config: Any) -> tuple[Any, nn.Module, DDP, torch.optim.Opti
     return task, model, ddp, optimizer
 
 
-def _communication(ddp: DDP, period: int | None, warmup: int) -> tuple[PeriodicModelAverager | None, list[int]]:
-    """Sync: DDP's plain all-reduce hook. Local SGD: the post-local SGD hook and a PeriodicModelAverager.
-    Both hooks are wrapped to count the gradient bytes sent to other ranks (the list's one element)."""
+def _communication(ddp: DDP, period: int | None, warmup: int) -> PeriodicModelAverager | None:
+    """Sync: DDP's plain all-reduce, as torch's Python allreduce_hook (DDP's built-in one runs in C++, where the
+    collective counter cannot see it). Local SGD: the post-local SGD hook and a PeriodicModelAverager."""
     if period is None:
-        hook, sent = _counting(default_hooks.allreduce_hook, lambda state: True)
-        ddp.register_comm_hook(None, hook)
-        return None, sent
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        return None
     # Each rank its own subgroup: after `warmup` steps, gradients are "all-reduced" within it (with itself),
     # which is no communication at all. subgroup=None means one subgroup per machine, sized by the number of
     # CUDA devices: it fails on a CPU-only machine.
     subgroup, _ = dist.new_subgroups(group_size=1)
     state = PostLocalSGDState(process_group=None, subgroup=subgroup, start_localSGD_iter=warmup)
-    hook, sent = _counting(post_localSGD_hook, lambda s: s.iter < s.start_localSGD_iter)
-    ddp.register_comm_hook(state, hook)
-    return PeriodicModelAverager(period=period, warmup_steps=warmup), sent
+    ddp.register_comm_hook(state, post_localSGD_hook)
+    return PeriodicModelAverager(period=period, warmup_steps=warmup)
 
 
 def _local_update(task: Any, ddp: DDP, optimizer: torch.optim.Optimizer, ctx: Any, step: int, lr: float) -> float:
@@ -140,26 +130,29 @@ def _local_update(task: Any, ddp: DDP, optimizer: torch.optim.Optimizer, ctx: An
 def _train(ctx: Any, config: Any, period: int | None, warmup: int) -> dict[str, float]:
     """The loop behind sync_ddp (period None) and LocalSGD; returns what _finish measures."""
     task, model, ddp, optimizer = _setup(ctx, config)
-    averager, sent = _communication(ddp, period, warmup)
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    for step in range(config.steps):
-        ctx.heartbeat(step)
-        lr = lr_for_config(step, config)
-        t0 = time.perf_counter()
-        loss = _local_update(task, ddp, optimizer, ctx, step, lr)
-        t1 = time.perf_counter()
-        before = rank_divergence(model)  # timed apart: a measurement, not part of the method
-        t2 = time.perf_counter()
-        averaged = averager is not None and averages_at(step, averager.period, averager.warmup_steps)
-        if averager is not None:
-            averager.average_parameters(model.parameters())  # before zero_grad: it averages only params with .grad
-        optimizer.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        after = rank_divergence(model) if averaged else before
-        ctx.record(step, loss=loss, lr=lr, samples=task.batch_size, t_step=(t1 - t0) + (t3 - t2),
-                   t_measure=(t2 - t1) + (time.perf_counter() - t3), divergence_before=before, divergence=after,
-                   averaged=int(averaged), comm_bytes=sent[0] + (param_bytes if averaged else 0))
-        sent[0] = 0
+    averager = _communication(ddp, period, warmup)
+    with count_collectives() as wire:
+        for step in range(config.steps):
+            ctx.heartbeat(step)
+            lr = lr_for_config(step, config)
+            t0 = time.perf_counter()
+            loss = _local_update(task, ddp, optimizer, ctx, step, lr)
+            t1 = time.perf_counter()
+            with wire.paused():  # a measurement, not part of the method: timed apart and not counted
+                before = rank_divergence(model)
+            t2 = time.perf_counter()
+            grad_calls, grad_bytes = wire.take()
+            if averager is not None:
+                averager.average_parameters(model.parameters())  # before zero_grad: it averages only params with .grad
+            param_calls, param_bytes = wire.take()
+            optimizer.zero_grad(set_to_none=True)
+            t3 = time.perf_counter()
+            with wire.paused():
+                after = rank_divergence(model)
+            ctx.record(step, loss=loss, lr=lr, samples=task.batch_size, t_step=(t1 - t0) + (t3 - t2),
+                       t_measure=(t2 - t1) + (time.perf_counter() - t3), divergence_before=before, divergence=after,
+                       averaged=int(param_calls > 0), allreduces=grad_calls + param_calls,
+                       comm_bytes=grad_bytes + param_bytes)
     return _finish(task, model, last_loss=loss, local=averager is not None)
 
 
@@ -236,22 +229,24 @@ class Hogwild:
         seed_everything(config.seed, rank=ctx.rank)
         task = make_task(config, ctx.world_size)
         optimizer = make_optimizer(config, self.model.parameters())
-        for step in range(config.steps):
-            ctx.heartbeat(step)
-            lr = lr_for_config(step, config)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            t0 = time.perf_counter()
-            inputs, targets = task.batch(step, 0, ctx.rank)
-            loss, _ = task.loss(self.model, inputs, targets)
-            loss.backward()
-            optimizer.step()  # in place, into the shared storage
-            optimizer.zero_grad(set_to_none=True)
-            ctx.record(step, loss=loss.item(), lr=lr, samples=task.batch_size, t_step=time.perf_counter() - t0,
-                       comm_bytes=0)
-            if config.stop_on_nan and not math.isfinite(loss.item()):
-                raise NonFiniteLoss(f"loss is {loss.item()} at step {step} on rank {ctx.rank}: Hogwild diverged; "
-                                    "lower the LR")
+        with count_collectives() as wire:  # none are issued: counted all the same, so the records say so
+            for step in range(config.steps):
+                ctx.heartbeat(step)
+                lr = lr_for_config(step, config)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                t0 = time.perf_counter()
+                inputs, targets = task.batch(step, 0, ctx.rank)
+                loss, _ = task.loss(self.model, inputs, targets)
+                loss.backward()
+                optimizer.step()  # in place, into the shared storage
+                optimizer.zero_grad(set_to_none=True)
+                calls, sent = wire.take()
+                ctx.record(step, loss=loss.item(), lr=lr, samples=task.batch_size, t_step=time.perf_counter() - t0,
+                           allreduces=calls, comm_bytes=sent)
+                if config.stop_on_nan and not math.isfinite(loss.item()):
+                    raise NonFiniteLoss(f"loss is {loss.item()} at step {step} on rank {ctx.rank}: Hogwild "
+                                        "diverged; lower the LR")
         return task.evaluate(self.model)
 
 
@@ -260,13 +255,13 @@ def timeline(run: Run) -> pd.DataFrame:
 
     wall_s: when the slowest rank had finished this step, counting each rank's own t_step (so the divergence
     measurement and the writing of records are left out, and ranks that do not step together, as in Hogwild, are
-    not charged for each other). divergence*, averaged and comm_bytes come from rank 0."""
+    not charged for each other). divergence*, averaged, allreduces and comm_bytes come from rank 0."""
     df = run.read_records()
     out = per_step(df)
     own = df.sort_values("step").groupby("rank")["t_step"].cumsum()
     out["wall_s"] = own.groupby(df["step"]).max().sort_index().to_numpy()
     rank0 = df[df["rank"] == 0].set_index("step")
-    for column in ("divergence_before", "divergence", "averaged", "comm_bytes"):
+    for column in ("divergence_before", "divergence", "averaged", "allreduces", "comm_bytes"):
         if column in rank0:
             out[column] = rank0[column].reindex(out["step"]).to_numpy()
     return out

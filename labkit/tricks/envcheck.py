@@ -1,12 +1,13 @@
 """Version fingerprints across ranks: is every rank running the same stack?
 
-    from labkit import envcheck
+    from labkit.tricks import envcheck
     envcheck.fingerprint()                              # this process: versions, backends, threads, env vars
     run = labkit.launch(envcheck.gather_worker, world_size=2, env={1: {"NCCL_IB_DISABLE": "1"}})
     prints = run.result(0)                              # rank 0 gathered every rank's fingerprint
     envcheck.mismatches(prints)                         # ['env.NCCL_IB_DISABLE']: the fields where ranks differ
     envcheck.table(prints)                              # one row per field, one column per rank, and 'agree'
     print(envcheck.pinned_requirements(prints[0]))      # pins for the stack rank 0 runs
+    envcheck.against_lock(prints[0], Path("requirements.lock").read_text())   # {} when rank 0 runs the locked stack
     print(envcheck.dockerfile(prints[0]))               # a Dockerfile that rebuilds it
 
 Under torchrun, call `gather(ctx)` (or all_gather_object yourself) from your own training script's start.
@@ -116,6 +117,34 @@ def pinned_requirements(fp: dict[str, str]) -> str:
              f"torch=={torch_version}" + (f"  # build: {build}; install from the matching index" if build else "")]
     lines += [f"{name}=={fp[name]}" for name in PACKAGES if fp.get(name, "not installed") != "not installed"]
     return "\n".join(lines) + "\n"
+
+
+def locked_versions(lock_text: str) -> dict[str, str]:
+    """{package: version} for every exact pin (name==version) in a requirements or lock file's text."""
+    out = {}
+    for line in lock_text.splitlines():
+        requirement = line.split("#")[0].strip()
+        if "==" in requirement:
+            name, version = requirement.split("==", 1)
+            out[_normal(name)] = version.strip()
+    return out
+
+
+def against_lock(fp: dict[str, str], lock_text: str) -> dict[str, tuple[str, str]]:
+    """The fingerprinted packages whose version is not the lock's pin, {name: (running, locked)}; {} when the
+    fingerprinted process runs exactly what the lock pins:  against_lock(prints[0], lock_path.read_text())."""
+    locked = locked_versions(lock_text)
+    out = {}
+    for name in ("torch", *PACKAGES):
+        running = fp.get(name, "not installed").split("+")[0]   # torch's build tag (+cpu, +cu128) is not a version
+        pin = locked.get(_normal(name), "not pinned")
+        if running != pin:
+            out[name] = (running, pin)
+    return out
+
+
+def _normal(name: str) -> str:
+    return name.strip().lower().replace("_", "-")
 
 
 def dockerfile(fp: dict[str, str]) -> str:

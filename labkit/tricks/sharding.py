@@ -58,25 +58,31 @@ def read_epochs(ctx: Any, *, n: int, epochs: int, set_epoch: bool, drop_last: bo
     return out
 
 
-def uneven_epoch(ctx: Any, *, batches: tuple[int, ...], join: bool) -> int:
-    """Launch target: rank r trains on batches[r] batches with DDP, then meets the others at an end-of-epoch
-    barrier. Without Join, the rank with more batches waits forever in an all-reduce its peers never join."""
+def uneven_epoch(ctx: Any, *, batches: tuple[int, ...], join: bool, cut_to_shortest: bool = False) -> None:
+    """Launch target: rank r has batches[r] batches to train on with DDP, then meets the others at an end-of-epoch
+    barrier. Without Join, the rank with more batches waits forever in an all-reduce its peers never join.
+    One record per batch a rank really trained (run.df): what the ranks did, whatever they were given.
+
+    join: torch's Join context (ranks that run out shadow the others' collectives). cut_to_shortest: the other
+    fix, every rank first agrees on the smallest count (an all-reduce MIN) and trains only that many."""
     from torch.distributed.algorithms.join import Join
     torch.manual_seed(0)
     ddp = DDP(torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     data = torch.Generator().manual_seed(ctx.rank)
+    mine = torch.tensor([batches[ctx.rank]])
+    if cut_to_shortest:
+        dist.all_reduce(mine, op=dist.ReduceOp.MIN)
     # Join shadows the collectives of ranks that ran out of data, so the others' all-reduces complete.
     with Join([ddp]) if join else contextlib.nullcontext():
-        for step in range(batches[ctx.rank]):
+        for step in range(int(mine)):
             ctx.heartbeat(step)
             loss = ddp(torch.randn(4, 8, generator=data)).square().mean()
             loss.backward()
             opt.step()
             opt.zero_grad()
-            ctx.record(step, loss=loss.item())
+            ctx.record(step, loss=loss.item(), samples=4)
     dist.barrier()  # end of epoch: validation, checkpointing, ... everyone meets here
-    return batches[ctx.rank]
 
 
 def augment(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
