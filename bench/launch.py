@@ -37,9 +37,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import labkit
-from labkit.train.loop import make_optimizer, memory_fields
+from labkit.training.loop import make_optimizer, memory_fields
 from labkit.records import RankRecorder
-from labkit.train.tasks import make_task
+from labkit.training.tasks import make_task
 
 WARMUP = 5          # steps left out of throughput (allocator, DDP bucket rebuild on the first backward)
 REPS = 100          # times each piece is timed in the breakdown
@@ -147,7 +147,7 @@ def in_loop(piece: str) -> str:
     """Whether labkit's per-step path (train and RankRecorder.write) does this piece now (labkit changes)."""
     needle = {"loss all-reduce": "all_reduce(", "get_total_norm": "get_total_norm", "/proc/self/statm": "statm",
               "JSON record": "json.dumps", "TensorBoard add_scalar x10": "add_scalar"}[piece]
-    return "yes" if needle in inspect.getsource(labkit.train.loop) + inspect.getsource(RankRecorder.write) else "no"
+    return "yes" if needle in inspect.getsource(labkit.training.loop) + inspect.getsource(RankRecorder.write) else "no"
 
 
 def launch(target: Any, cfg: labkit.RunConfig, root: str, **kw: Any) -> labkit.Run:

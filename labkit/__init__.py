@@ -10,7 +10,7 @@ Your own function runs the same way: labkit.launch(fn, world_size=2), where fn(c
 
 The package, from the ground up (each room imports only from the rooms before it):
     config.py, records.py   the base: what a run is, and what it leaves on disk
-    train/                  what runs inside a rank: the loop, tasks, data, schedules, comm hooks, faults, seeds
+    training/               what runs inside a rank: the loop, tasks, data, schedules, comm hooks, faults, seeds
     view/                   what a person looks at: figures, the live view
     run/                    starting and watching ranks: launch, the rank's side, failure reports
     measure/                measuring speed honestly: pinned cores, who else used them
@@ -20,7 +20,7 @@ The package, from the ground up (each room imports only from the rooms before it
 from .config import ConfigError, Fault, RunConfig, pick, quick_mode
 from .records import Run, load_run
 from .run import LaunchError, RankContext, RankFailure, launch
-from .train.loop import NonFiniteLoss, train
+from .training.loop import NonFiniteLoss, train
 from .tricks import memory
 from .view import compare, curves
 

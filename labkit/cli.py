@@ -49,7 +49,7 @@ def run_under_torchrun(config: RunConfig, run_dir: Path | None, timeout: float) 
     import torch.distributed as dist
     from .records import RankRecorder, write_meta, write_tensorboard
     from .run.rank import RankContext, resolve_backend
-    from .train.loop import train
+    from .training.loop import train
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if world != config.world_size:

@@ -122,7 +122,8 @@ class RunConfig:
     """DDP gradient bucket size."""
     comm_hook: str = "allreduce"
     """How DDP sends gradients: "allreduce" (plain), "fp16" / "bf16" (compressed to 16 bits on the wire),
-    "powersgd" (low-rank, powersgd_rank). Every hook counts all-reduces and bytes per step (allreduces, comm_bytes)."""
+    "powersgd" (low-rank, powersgd_rank). Whatever the hook, labkit records per step the collectives each rank
+    really issued and the bytes of the tensors it handed them (allreduces, comm_bytes)."""
     powersgd_rank: int = 1
     """PowerSGD's matrix approximation rank."""
     memory_budget_mb: float | None = None

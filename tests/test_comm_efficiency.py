@@ -11,7 +11,7 @@ from matplotlib.figure import Figure
 
 import labkit
 from labkit import RunConfig
-from labkit.train.tasks import make_task
+from labkit.training.tasks import make_task
 from labkit.tricks import commeff, precision
 
 

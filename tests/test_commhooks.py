@@ -7,8 +7,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import labkit
 from labkit import Fault, RunConfig
-from labkit.train import commhooks
-from labkit.train.commhooks import count_collectives, payload_bytes, single_bucket_mb
+from labkit.training import commhooks
+from labkit.training.commhooks import count_collectives, payload_bytes, single_bucket_mb
 from labkit.tricks import commeff
 
 CFG = RunConfig(world_size=2, steps=4, tensorboard=False, save_final=False)

@@ -8,9 +8,9 @@ import torch
 import labkit
 from labkit import Fault, RunConfig
 from labkit.measure import CpuMeter
-from labkit.train.data import DigitsSamples, DigitsStream, StepBatchSampler, digits_data, sample_work
+from labkit.training.data import DigitsSamples, DigitsStream, StepBatchSampler, digits_data, sample_work
 from labkit.tricks.loading import cores_busy, step_split
-from labkit.train.tasks import make_task
+from labkit.training.tasks import make_task
 
 from .conftest import leftover_processes
 

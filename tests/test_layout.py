@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "labkit"
-ROOMS = {"base": 0, "train": 1, "view": 1, "run": 2, "measure": 3, "tricks": 4, "face": 5}
+ROOMS = {"base": 0, "training": 1, "view": 1, "run": 2, "measure": 3, "tricks": 4, "face": 5}
 BASE = {"labkit.config", "labkit.rules", "labkit.records"}
 FACE = {"labkit", "labkit.cli", "labkit.__main__"}
 
@@ -81,11 +81,11 @@ def test_there_is_no_import_circle():
 
 def test_the_checker_sees_a_circle_and_an_upward_import(tmp_path):
     """The two rules above can fail: a lazy import inside a function counts."""
-    fake = {"labkit.train.a": tmp_path / "a.py", "labkit.view.b": tmp_path / "b.py"}
-    fake["labkit.train.a"].write_text("def f():\n    from ..view.b import g\n")
-    fake["labkit.view.b"].write_text("from ..train.a import f\n")
+    fake = {"labkit.training.a": tmp_path / "a.py", "labkit.view.b": tmp_path / "b.py"}
+    fake["labkit.training.a"].write_text("def f():\n    from ..view.b import g\n")
+    fake["labkit.view.b"].write_text("from ..training.a import f\n")
     graph = {name: imports(name, path, fake) for name, path in fake.items()}
-    assert graph == {"labkit.train.a": {"labkit.view.b"}, "labkit.view.b": {"labkit.train.a"}}
+    assert graph == {"labkit.training.a": {"labkit.view.b"}, "labkit.view.b": {"labkit.training.a"}}
 
 
 def test_the_readme_layout_names_every_room():

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from labkit.train.schedule import lr_at
+from labkit.training.schedule import lr_at
 
 
 def test_warmup_rises_linearly_to_the_peak():

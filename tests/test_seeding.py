@@ -9,7 +9,7 @@ import torch
 
 import labkit
 from labkit import RunConfig
-from labkit.train.seeding import determinism_switches, rank_seed, rng_fingerprint, seed_everything
+from labkit.training.seeding import determinism_switches, rank_seed, rng_fingerprint, seed_everything
 
 # Fields that measure the machine, not the computation: they differ between any two runs.
 TIMING_FIELDS = {"time", "t_data", "t_fwd_bwd", "t_optim", "t_step", "rss_mb", "peak_growth_mb"}
@@ -60,7 +60,7 @@ def test_deterministic_true_takes_effect_inside_the_ranks_and_a_no_op_switch_is_
     assert [plain.result(r)["deterministic_algorithms"] for r in range(2)] == [False, False]
     assert strict.result(0)["cudnn.benchmark"] is False and strict.result(0)["CUBLAS_WORKSPACE_CONFIG"]
     # A switch that does nothing: lesson 08's assert, read inside the ranks, now fails.
-    monkeypatch.setattr(importlib.import_module("labkit.train.loop"), "set_deterministic", lambda enabled=True: None)
+    monkeypatch.setattr(importlib.import_module("labkit.training.loop"), "set_deterministic", lambda enabled=True: None)
     broken = labkit.launch(train_then_read_switches, config=cfg.replace(deterministic=True), runs_root=runs_root,
                            echo=False)
     assert not any(broken.result(r)["deterministic_algorithms"] for r in range(2))

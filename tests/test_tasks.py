@@ -3,7 +3,7 @@ import math
 import torch
 
 from labkit import RunConfig
-from labkit.train.tasks import make_task, successor_table
+from labkit.training.tasks import make_task, successor_table
 
 
 def _global_batch(cfg, step):

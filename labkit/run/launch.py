@@ -29,8 +29,8 @@ import torch
 
 from ..config import RunConfig
 from ..records import Run, write_meta, write_tensorboard
-from ..train.loop import train
-from ..train.tasks import preload
+from ..training.loop import train
+from ..training.tasks import preload
 from ..view.live import LiveView
 from .cuda_guard import cuda_init_culprit
 from .diagnose import classify_exits, diagnose_hang

@@ -37,11 +37,11 @@ from torch.distributed.algorithms.model_averaging.utils import average_parameter
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..records import Run, per_step
-from ..train.commhooks import count_collectives
-from ..train.loop import NonFiniteLoss, make_optimizer
-from ..train.schedule import lr_for_config
-from ..train.seeding import seed_everything
-from ..train.tasks import make_task
+from ..training.commhooks import count_collectives
+from ..training.loop import NonFiniteLoss, make_optimizer
+from ..training.schedule import lr_for_config
+from ..training.seeding import seed_everything
+from ..training.tasks import make_task
 from ..view import COLORS, new_figure, shown
 
 # No `from __future__ import annotations` here: DDP inspects a comm hook's annotations and wants real types.

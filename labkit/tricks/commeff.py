@@ -10,7 +10,7 @@
     commeff.plot_accumulation(table); commeff.plot_payloads(runs); commeff.plot_buckets(table)
 
 Every count and byte here comes from the records, where labkit.train counted the collectives each rank really
-issued and the tensors it handed to them (labkit.train.commhooks). The one formula, powersgd_payload, is a
+issued and the tensors it handed to them (labkit.training.commhooks). The one formula, powersgd_payload, is a
 prediction for the lesson to hold against those counts.
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import RunConfig
 from ..records import Run
-from ..train.commhooks import POWERSGD_MIN_COMPRESSION, count_collectives
-from ..train.tasks import make_task
+from ..training.commhooks import POWERSGD_MIN_COMPRESSION, count_collectives
+from ..training.tasks import make_task
 from ..view import COLORS, new_figure, shown
 
 WARM = 2  # steps left out of timings: DDP rebuilds its buckets after step 0; PowerSGD is uncompressed until step 2

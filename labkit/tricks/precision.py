@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 
 from ..config import RunConfig
 from ..records import Run
-from ..train.tasks import make_task
+from ..training.tasks import make_task
 from ..view import COLORS, new_figure, shown
 from .commeff import WARM, ms_per_step, steps
 

@@ -21,7 +21,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
-from ..train.data import digits_data
+from ..training.data import digits_data
 
 
 def sampler_ids(n: int, world: int, rank: int, epoch: int, *, set_epoch: bool = True, shuffle: bool = True,

@@ -1,6 +1,6 @@
 """Seeds that make runs repeatable, and the streams that must (and must not) match across ranks.
 
-    from labkit.train.seeding import seed_everything, rng_fingerprint
+    from labkit.training.seeding import seed_everything, rng_fingerprint
     seed_everything(1234)                 # before building the model: the SAME on every rank -> same initial weights
     model = build_model()
     seed_everything(1234, rank=ctx.rank)  # after: a seed of this rank's own -> dropout, augmentation differ by rank
