@@ -15,6 +15,7 @@ spawns, saying which call initialised CUDA.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import multiprocessing as mp
 import os
 import re
@@ -32,6 +33,7 @@ from ..records import Run, write_meta, write_tensorboard
 from ..training.loop import train
 from ..training.tasks import preload
 from ..view.live import LiveView
+from . import prewarm
 from .cuda_guard import cuda_init_culprit
 from .diagnose import classify_exits, diagnose_hang
 from .failure import LaunchError, RankFailure
@@ -73,11 +75,13 @@ def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = N
     procs = _start(fn, config, world_size, run_dir, method, mpctx, beats, port, timeout, env or {})
     view = LiveView(run_dir, world_size, config.steps if config else None, echo=echo, progress=progress,
                     live=live, compare_with=tuple(compare_with))
+    failure, finished = None, False
     try:
         failure = _watch(procs, beats, run_dir, timeout, max(timeout, startup_timeout), view)
+        finished = failure is None
     finally:
         _stop(procs)
-        view.close()
+        view.close(ok=finished)
         if config is not None and config.tensorboard:
             write_tensorboard(run_dir)  # after the ranks, so it costs them nothing; failed runs get events too
     if failure is not None:
@@ -133,13 +137,14 @@ _warmed: set[str] = set()
 
 
 def _warm_imports(config: RunConfig | None, method: str) -> None:
-    """Import once, here, what every forked rank would otherwise import for itself (DDP pulls in torch._dynamo)."""
+    """Import once, here, what every forked rank would otherwise import for itself (DDP pulls in torch._dynamo);
+    usually done already, in the background, since labkit was imported (prewarm.py)."""
     if method != "fork":
         return
-    wanted = ["torch._dynamo", "torch.nn.parallel"]
-    for module in wanted:
+    prewarm.wait()
+    for module in prewarm.MODULES[:2]:  # transformers only when the task needs it (preload below)
         if module not in _warmed:
-            __import__(module)
+            importlib.import_module(module)
             _warmed.add(module)
     if config is not None:
         preload(config)

@@ -1,19 +1,20 @@
-"""What the launcher shows while ranks run: their output, a progress line, and (optionally) the live figure.
+"""What the launcher shows while ranks run: their output, a progress bar, and (optionally) the live figure.
 
 Used by launch(), which hands it the steps each rank has recorded; nothing here touches the ranks. In Jupyter
-the progress line and the figure update in place (display handles); in a terminal the progress line is redrawn
-on stderr; elsewhere (pytest, CI) only the ranks' output is echoed. Redrawing a figure costs CPU that the ranks would otherwise use, so `live` is off by default
-and redraws at most once a second: keep it off for runs whose throughput you want to measure.
+the bar (progress.py) and the figure update in place; in a terminal the progress line is redrawn on stderr;
+elsewhere (pytest, CI) only the ranks' output is echoed. Redrawing a figure costs CPU that the ranks would
+otherwise use, so `live` is off by default and redraws at most once a second: keep it off for runs whose
+throughput you want to measure.
 """
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from ..records import FAILURE_MARKER, Run
 from .figures import compare_figure
+from .progress import Progress
 from .show import in_notebook, png_bytes
 
 PROGRESS_EVERY_S = 0.25
@@ -33,11 +34,10 @@ class LiveView:
         self.partial = [""] * world_size
         self.failed = [False] * world_size  # a rank's failure text is not echoed: the launcher's report has it
         self.notebook = in_notebook()
-        self.progress = progress and (self.notebook or sys.stderr.isatty())
+        self.bar = Progress(run_dir.name, total_steps, world_size, enabled=progress)
         self.live = live and self.notebook
-        self.started = time.time()
         self._last_progress = self._last_plot = 0.0
-        self._progress_handle = self._plot_handle = None
+        self._plot_handle = None
         self._recorded: list[int] | None = None
 
     def update(self, recorded: list[int], force: bool = False) -> None:
@@ -45,9 +45,9 @@ class LiveView:
         now = time.time()
         if self.echo:
             self._echo()
-        if self.progress and (force or now - self._last_progress >= PROGRESS_EVERY_S):
+        if force or now - self._last_progress >= PROGRESS_EVERY_S:
             self._last_progress = now
-            self._show_progress(self._recorded)
+            self.bar.update(self._recorded)
         if self.live and (force or now - self._last_plot >= PLOT_EVERY_S):
             self._last_plot = now
             self._show_plot()
@@ -58,13 +58,12 @@ class LiveView:
             self._echo()
         self.echo = False
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
         if self._recorded is not None:
             self.update(self._recorded, force=True)
         elif self.echo:
             self._echo()
-        if self.progress and not self.notebook:
-            sys.stderr.write("\n")
+        self.bar.close(ok)
 
     def _echo(self) -> None:
         """Print what each rank wrote since the last look, prefixed by its rank, up to where it failed: the cause's
@@ -88,31 +87,6 @@ class LiveView:
                     self.failed[rank] = True
                     break
                 print(f"[rank {rank}] {line}")
-
-    def _progress_text(self, recorded_steps: list[int]) -> str:
-        recorded = [step + 1 for step in recorded_steps]
-        done = min(recorded)
-        elapsed = time.time() - self.started
-        if self.total_steps:
-            width = 30
-            filled = int(width * done / self.total_steps)
-            bar = "█" * filled + "·" * (width - filled)
-            head = f"{self.run_dir.name}  {bar}  step {done}/{self.total_steps}"
-        else:
-            head = f"{self.run_dir.name}  steps recorded per rank: {recorded}"
-        return f"{head}  {elapsed:5.1f} s"
-
-    def _show_progress(self, recorded: list[int]) -> None:
-        text = self._progress_text(recorded)
-        if self.notebook:
-            from IPython.display import display
-            if self._progress_handle is None:
-                self._progress_handle = display({"text/plain": text}, raw=True, display_id=True)
-            else:
-                self._progress_handle.update({"text/plain": text}, raw=True)
-        else:
-            sys.stderr.write("\r" + text)
-            sys.stderr.flush()
 
     def _show_plot(self) -> None:
         from IPython.display import display
