@@ -3,7 +3,8 @@
     python -m labkit run config.json                          # launches the ranks itself (like a notebook)
     torchrun --nproc-per-node 2 -m labkit run config.json --run-dir runs/job1
                                                               # one rank per torchrun process (many nodes too)
-    python -m labkit summary runs/job1                        # headline figures of a finished run
+    python -m labkit show runs/job1                           # summary table; the failure report if it failed
+    python -m labkit compare runs/a runs/b -o ab.png          # the side-by-side figure, to a file
 
 config.json holds RunConfig fields (RunConfig.save writes one); missing fields take their defaults.
 Under torchrun the records land in the same layout (runs/<id>/rank<r>.jsonl), so Run/compare read them alike.
@@ -27,13 +28,17 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("config", type=Path)
     run.add_argument("--run-dir", type=Path, help="where records go (under torchrun: the same path on every rank)")
     run.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before a rank is hung")
-    summary = sub.add_parser("summary", help="print a finished run's headline figures")
-    summary.add_argument("run_dir", type=Path)
+    for name, text in (("show", "a run's summary table, and its failure report if it failed"),
+                       ("summary", "a run's headline figures as JSON")):
+        sub.add_parser(name, help=text).add_argument("run_dir", type=Path)
+    compare = sub.add_parser("compare", help="throughput | loss | LR of several runs, side by side, to an image")
+    compare.add_argument("run_dirs", type=Path, nargs="+")
+    compare.add_argument("-o", "--output", type=Path, required=True, help="image file to write (.png, .svg, .pdf)")
+    compare.add_argument("--x", choices=("step", "samples"), default="step")
+    compare.add_argument("--smooth", type=int, default=1, help="running mean of throughput over this many steps")
     args = parser.parse_args(argv)
-    if args.command == "summary":
-        from .records import Run
-        print(json.dumps(Run(args.run_dir).summary(), indent=2))
-        return 0
+    if args.command in ("show", "summary", "compare"):
+        return inspect_runs(args)
     config = RunConfig.load(args.config)
     if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
         return run_under_torchrun(config, args.run_dir, args.timeout)
@@ -41,6 +46,40 @@ def main(argv: list[str] | None = None) -> int:
     result = launch(config, timeout=args.timeout, runs_root=args.run_dir.parent if args.run_dir else None)
     print(json.dumps(result.summary(), indent=2))
     return 0
+
+
+def inspect_runs(args: argparse.Namespace) -> int:
+    """show / summary / compare: read run directories, print or draw; exit 2 with a sentence if one is missing."""
+    from .records import Run
+    dirs = args.run_dirs if args.command == "compare" else [args.run_dir]
+    missing = [str(d) for d in dirs if not d.is_dir()]
+    if missing:
+        print(f"labkit {args.command}: no run directory at {', '.join(missing)}", file=sys.stderr)
+        return 2
+    runs = [Run(d) for d in dirs]
+    if args.command == "summary":
+        print(json.dumps(runs[0].summary(), indent=2))
+    elif args.command == "show":
+        print(describe(runs[0]))
+    else:
+        from .view.figures import compare_figure
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        compare_figure(runs, x=args.x, smooth=args.smooth).savefig(args.output, dpi=100, bbox_inches="tight")
+        print(f"wrote {args.output}")
+    return 0
+
+
+def describe(run) -> str:
+    """A run as a person reads it in a terminal: what it was, its headline figures, how it ended."""
+    import pandas as pd
+    summary = run.summary()
+    lines = [f"{run.name}  ({run.path})", f"world size {run.world_size}, {summary['steps']} steps recorded"]
+    table = pd.Series(summary).drop("steps").map(lambda v: f"{v:.4g}")
+    lines += ["", table.to_string(), ""]
+    failure = run.failure()
+    lines.append(failure if failure else "finished: every rank ended cleanly" if run.finished else
+                 "no failure on record, but the run did not record an end (still running, or killed with its launcher)")
+    return "\n".join(lines)
 
 
 def run_under_torchrun(config: RunConfig, run_dir: Path | None, timeout: float) -> int:

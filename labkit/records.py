@@ -8,6 +8,7 @@ On disk, one directory per run (the same layout under labkit's launcher and unde
     runs/<run-id>/rank<r>.log          the rank's stdout and stderr (and faulthandler dumps); a rank that raises
                                        writes FAILURE_MARKER, then its traceback
     runs/<run-id>/rank<r>.error.json   written when the rank raised: step, exception, traceback
+    runs/<run-id>/failure.txt          the launcher's failure report (meta.json's outcome says how the run ended)
     runs/<run-id>/tb/rank<r>/          TensorBoard events, written from the records when the run ends
     runs/<run-id>/final/rank<r>.pt     final parameters (RunConfig.save_final)
 
@@ -166,6 +167,24 @@ class Run:
         path = self.path / f"result{rank}.pt"
         return torch.load(path, weights_only=False) if path.exists() else None
 
+    @property
+    def finished(self) -> bool:
+        """True when the launcher saw every rank end cleanly (meta.json's outcome)."""
+        return _read_json(self.path / "meta.json").get("outcome") == "finished"
+
+    def failure(self) -> str | None:
+        """The failure report the launcher raised (failure.txt), or what the ranks' error files say (a torchrun
+        run has no launcher of ours), or None."""
+        report = self.path / "failure.txt"
+        if report.exists():
+            return report.read_text()
+        errors = [_read_json(p) for p in sorted(self.path.glob("rank*.error.json"))]
+        if not errors:
+            return None
+        first = min(errors, key=lambda e: e.get("time", 0))
+        return (f"rank {first['rank']} raised at step {first['step']}: {first['type']}: {first['message']}\n"
+                + first.get("traceback", ""))
+
     def log(self, rank: int = 0) -> str:
         """Everything rank `rank` printed."""
         path = self.path / f"rank{rank}.log"
@@ -221,6 +240,15 @@ def load_run(path: str | Path) -> Run:
 def write_meta(run_dir: Path, **meta: Any) -> None:
     meta.setdefault("launched_at", time.time())
     (Path(run_dir) / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
+
+
+def write_outcome(run_dir: Path, failure: str | None) -> None:
+    """How the run ended, beside its records: meta.json's outcome and, if it failed, the report as failure.txt."""
+    meta = _read_json(Path(run_dir) / "meta.json")
+    meta.update(outcome="failed" if failure else "finished", ended_at=time.time())
+    write_meta(run_dir, **meta)
+    if failure:
+        (Path(run_dir) / "failure.txt").write_text(failure)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -7,13 +7,13 @@ error or a hang into one RankFailure that names the rank, its step and why; noth
     failure.py     RankStatus and RankFailure, what the launcher reports
     reaping.py     the ranks as OS processes: exit codes without reaping, signals to their groups
     cuda_guard.py  which call initialised CUDA (the reason fork is no longer safe)
-    prewarm.py     the imports every forked rank needs, paid in the background once labkit is imported
+    prewarm.py     the imports every forked rank needs, paid by `import labkit` in a notebook
 """
 from . import prewarm
 from .failure import LaunchError, RankFailure, RankStatus
 from .launch import launch
 from .rank import RankContext
 
-prewarm.start()
+prewarm.warm_on_import()
 
 __all__ = ["launch", "LaunchError", "RankFailure", "RankStatus", "RankContext"]

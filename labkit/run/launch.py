@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..config import RunConfig
-from ..records import Run, write_meta, write_tensorboard
+from ..records import Run, write_meta, write_outcome, write_tensorboard
 from ..training.loop import train
 from ..training.tasks import preload
 from ..view.live import LiveView
@@ -82,6 +82,7 @@ def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = N
     finally:
         _stop(procs)
         view.close(ok=finished)
+        write_outcome(run_dir, str(failure) if failure is not None else None if finished else "interrupted")
         if config is not None and config.tensorboard:
             write_tensorboard(run_dir)  # after the ranks, so it costs them nothing; failed runs get events too
     if failure is not None:
@@ -138,10 +139,9 @@ _warmed: set[str] = set()
 
 def _warm_imports(config: RunConfig | None, method: str) -> None:
     """Import once, here, what every forked rank would otherwise import for itself (DDP pulls in torch._dynamo);
-    usually done already, in the background, since labkit was imported (prewarm.py)."""
+    in a notebook, `import labkit` did it already (prewarm.py)."""
     if method != "fork":
         return
-    prewarm.wait()
     for module in prewarm.MODULES[:2]:  # transformers only when the task needs it (preload below)
         if module not in _warmed:
             importlib.import_module(module)

@@ -1,57 +1,43 @@
-"""Pay, in the background, the imports every forked rank would otherwise pay at its first step.
+"""Pay, when labkit is imported in a notebook, the imports every forked rank would otherwise pay at its first step.
 
-    import labkit        # starts the background import (LABKIT_PREWARM=0 turns it off)
-    ...                  # a learner reads the first cells: the imports finish meanwhile
-    labkit.launch(cfg)   # waits for them if they are still running, then forks warm ranks
+    import labkit        # in a Jupyter kernel: also imports torch._dynamo and transformers' GPT-2 (a few seconds)
+    labkit.launch(cfg)   # the first launch forks ranks that are warm already, like every later one
 
 A rank's first DistributedDataParallel(...) imports torch._dynamo (about 800 modules) and the tiny GPT-2 imports
-transformers: seconds of work that a forked rank inherits for free if its parent did it first. Doing it when
-labkit is imported, in a thread, makes a learner's first launch as fast as the later ones.
+transformers: seconds of work that a forked rank inherits for free if its parent did it first. In a notebook that
+happens once per kernel, in the `import labkit` cell, instead of in the learner's first launch. Scripts, tests and
+the CLI skip it (LABKIT_PREWARM=1 forces it, =0 turns it off); their first fork-launch imports what it needs.
 
-Forking while another thread is half-way through an import would leave the child with a module lock that no
-thread of its own holds: its next import of that module would hang forever. So no process forks while the import
-runs: an os.register_at_fork hook makes every fork in this process, labkit's or anyone's (a DataLoader, a
-subprocess), wait for it first.
+Why not in a background thread, so that it would cost no waiting at all: a thread importing transformers while the
+notebook's own code imported from it made `from transformers import GPT2Config` fail (transformers resolves its
+names lazily, and not safely across threads), and a fork while another thread is half-way through an import leaves
+the child holding a module lock nobody will release. Importing up front has neither hazard.
 """
 from __future__ import annotations
 
 import importlib
 import os
-import threading
+
+from ..view.show import in_notebook
 
 MODULES = ("torch._dynamo", "torch.nn.parallel", "transformers.models.gpt2.modeling_gpt2")
-FORK_WAIT_S = 120.0  # a fork waits at most this long for the import (it normally takes a few seconds)
 
-_thread: threading.Thread | None = None
-_failed: dict[str, str] = {}
+failed: dict[str, str] = {}  # module -> why it could not be imported ahead (the rank imports it, and reports)
 
 
-def start() -> None:
-    """Import MODULES in a background thread, once per process (not in forked children: they inherit them)."""
-    global _thread
-    if _thread is not None or os.environ.get("LABKIT_PREWARM", "1") in ("0", "false", "False"):
-        return
-    _thread = threading.Thread(target=_import_all, name="labkit-prewarm", daemon=True)
-    os.register_at_fork(before=_before_fork)
-    _thread.start()
-
-
-def wait(timeout: float | None = None) -> bool:
-    """Block until the background import is done; True if it is (or never started)."""
-    thread = _thread
-    if thread is None or thread is threading.current_thread():
-        return True
-    thread.join(timeout)
-    return not thread.is_alive()
-
-
-def _import_all() -> None:
-    for name in MODULES:
+def warm(modules: tuple[str, ...] = MODULES) -> None:
+    """Import `modules` now; an optional speed-up, so a failure is remembered rather than raised."""
+    for name in modules:
         try:
             importlib.import_module(name)
-        except Exception as exc:  # noqa: BLE001 - an optional speed-up: the rank will import (and report) it itself
-            _failed[name] = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - the rank will import it itself and report what goes wrong
+            failed[name] = f"{type(exc).__name__}: {exc}"
 
 
-def _before_fork() -> None:
-    wait(FORK_WAIT_S)
+def warm_on_import() -> None:
+    """What `import labkit` does: warm() in a notebook kernel, or when LABKIT_PREWARM=1; never when it is 0."""
+    wanted = os.environ.get("LABKIT_PREWARM", "")
+    if wanted in ("0", "false", "False"):
+        return
+    if wanted in ("1", "true", "True") or in_notebook():
+        warm()
