@@ -9,6 +9,7 @@
     averaging.py   sync vs async: local SGD, Hogwild                               (lesson 06)
     sharding.py    data sharding: DistributedSampler's traps, Join                 (lesson 07)
     memory.py      ZeRO's model-state formulas (also labkit.memory)                (lesson 14)
+    exercises/     build DDP and ZeRO yourself: references, checkers on real ranks (lessons 16, 17)
 
     from labkit.tricks import comm
     comm.benchmark(world_size=2)

@@ -1,0 +1,115 @@
+"""What a checker hands back: each check's verdict in one sentence, and the numbers it measured.
+
+    report = check_ddp(MyDDP)          # in a notebook the report prints itself
+    report.ok                          # True when nothing failed and nothing is missing
+    report.measured["grad_ratio"]      # the numbers behind the sentences, for the lesson's own asserts
+    MyDDP = report.use(NaiveDDP)       # yours if it passed; see below otherwise
+
+Blank mode (LABKIT_EXERCISES=blank, which a blank copy of a lesson sets): a report with something missing or wrong
+says so and `use` hands back labkit's reference, so the rest of the lesson still runs while you write yours.
+Otherwise `use` (and `require`) raise ExerciseFailed with the report's text.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODE_ENV = "LABKIT_EXERCISES"
+STATUSES = ("pass", "fail", "missing", "note")
+_MARKS = {"pass": "✓", "fail": "✗", "missing": "…", "note": "·"}
+
+
+def blank_mode() -> bool:
+    """True when LABKIT_EXERCISES=blank: checkers report what is missing instead of failing the notebook."""
+    return os.environ.get(MODE_ENV, "").strip().lower() == "blank"
+
+
+class ExerciseFailed(AssertionError):
+    """An exercise did not pass its checker (outside blank mode); the message is the checker's report."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One check's verdict: `check` names what was checked, `status` is pass/fail/missing/note."""
+
+    check: str
+    status: str
+    message: str
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status = {self.status!r}: must be one of {STATUSES}")
+
+    def line(self) -> str:
+        return f"{_MARKS[self.status]} {self.check}: {self.message}"
+
+
+@dataclass
+class Report:
+    """A checker's findings about one implementation, and what it measured (see the module docstring)."""
+
+    subject: str
+    findings: list[Finding] = field(default_factory=list)
+    measured: dict[str, Any] = field(default_factory=dict)
+    run_dir: Path | None = None
+    implementation: Any = None
+
+    def add(self, check: str, status: str, message: str) -> None:
+        self.findings.append(Finding(check, status, message))
+
+    @property
+    def ok(self) -> bool:
+        return not any(f.status in ("fail", "missing") for f in self.findings)
+
+    @property
+    def failures(self) -> list[str]:
+        """The messages of the checks that failed, in the order they were made."""
+        return [f.message for f in self.findings if f.status == "fail"]
+
+    @property
+    def missing(self) -> list[str]:
+        """What is not written yet (NotImplementedError), one message per part."""
+        return [f.message for f in self.findings if f.status == "missing"]
+
+    def status(self, check: str) -> str | None:
+        """The worst status among the findings named `check` (None if that check was not made)."""
+        found = [f.status for f in self.findings if f.check == check]
+        for worst in ("missing", "fail", "pass", "note"):
+            if worst in found:
+                return worst
+        return None
+
+    def text(self) -> str:
+        verdict = "PASSED" if self.ok else ("NOT WRITTEN YET" if self.missing and not self.failures else "FAILED")
+        lines = [f"{self.subject}: {verdict}"] + ["  " + f.line() for f in self.findings]
+        if self.run_dir is not None and self.failures:
+            lines.append(f"  (ranks' logs: {self.run_dir})")
+        return "\n".join(lines)
+
+    __str__ = text
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(self.text())
+
+    def require(self) -> bool:
+        """Raise ExerciseFailed unless the report passed; in blank mode print what is left instead. True if ok."""
+        if self.ok:
+            return True
+        if blank_mode():
+            print(f"[blank mode] {self.subject}: not passing yet; the checker's report is above.")
+            return False
+        raise ExerciseFailed(self.text())
+
+    def use(self, reference: Any = None) -> Any:
+        """The checked implementation if it passed; in blank mode labkit's `reference` (said out loud) so the
+        lesson can go on; otherwise raise ExerciseFailed with the report."""
+        if self.require():
+            return self.implementation
+        print(f"[blank mode] the cells below use labkit's {getattr(reference, '__name__', reference)} "
+              "until yours passes.")
+        return reference
