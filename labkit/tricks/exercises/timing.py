@@ -25,7 +25,7 @@ from torch import nn
 from ...config import RunConfig
 from ...records import Run
 from ...run import launch
-from ...train.tasks import make_task
+from ...training.tasks import make_task
 from .probe import CommProbe
 
 

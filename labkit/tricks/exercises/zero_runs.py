@@ -23,7 +23,7 @@ from torch import nn
 
 from ...records import Run
 from ...run import launch
-from ...train.tasks import make_task
+from ...training.tasks import make_task
 from .holdings import state_holdings
 from .timing import tinylm_config
 
