@@ -89,7 +89,8 @@ def clip_figure(runs: Sequence[Run], labels: Sequence[str] | None = None, title:
         rows = df[df["rank"] == 0]
         ax_loss.plot(rows["step"], rows["loss"], color=color, label=label)
         ax_norm.plot(rows["step"], rows["grad_norm"], color=color, label=label)
-        ax_coef.plot(rows["step"], rows["clip_coef"], "o-", markersize=2, color=color, label=label)
+        if run.config.clip_norm is not None:  # without clipping the coefficient is 1.0 by definition
+            ax_coef.plot(rows["step"], rows["clip_coef"], "o-", markersize=2, color=color, label=label)
         finite = rows[rows["loss"].apply(math.isfinite)]
         if len(finite) < len(rows) and len(finite):
             ax_loss.plot(finite["step"].iloc[-1:], finite["loss"].iloc[-1:], "x", color=color, markersize=10)
@@ -109,27 +110,30 @@ def clip_figure(runs: Sequence[Run], labels: Sequence[str] | None = None, title:
 
 @shown
 def outcomes(items: Sequence[tuple[str, Run, str]], *, mark: int | None = None) -> Figure:
-    """One panel per (label, run, how it ended): each rank's loss per step, its last record marked."""
-    fig = new_figure(figsize=(5.2 * len(items), 3.8))
+    """One panel per (label, run, how it ended): each rank's loss per step; a non-finite loss is an X along the
+    top edge, a step whose optimizer step did not happen a triangle along the bottom edge, in the rank's colour."""
+    fig = new_figure(figsize=(5.2 * len(items), 4.0))
     axes = fig.subplots(1, len(items), sharey=True, squeeze=False)[0]
     for ax, (label, run, ending) in zip(axes, items):
         df = run.read_records()
+        edge = ax.get_xaxis_transform()  # x in steps, y as a fraction of the panel's height
         for rank, rows in df.groupby("rank"):
             color = COLORS[int(rank) % len(COLORS)]
-            shown_loss = rows["loss"].where(rows["loss"].apply(math.isfinite))
-            ax.plot(rows["step"], shown_loss, "o-", markersize=3, color=color, label=f"rank {rank}")
-            last = rows.iloc[-1]
-            ax.plot([last["step"]], [shown_loss.dropna().iloc[-1]], "s", color=color, markersize=9, alpha=0.6)
-            skipped = rows[rows.get("skipped_step", 0) == 1]
-            ax.plot(skipped["step"], [ax.get_ylim()[0]] * len(skipped), "v", color=color, markersize=8)
+            finite = rows["loss"].apply(math.isfinite)
+            ax.plot(rows["step"], rows["loss"].where(finite), "o-", markersize=3, color=color,
+                    label=f"rank {rank} (last record: step {int(rows['step'].max())})")
+            ax.plot(rows.loc[~finite, "step"], [0.95] * int((~finite).sum()), "X", color=color, markersize=10,
+                    transform=edge)
+            skipped = rows[rows["skipped_step"] == 1] if "skipped_step" in rows else rows.iloc[:0]
+            ax.plot(skipped["step"], [0.04 + 0.05 * int(rank)] * len(skipped), "v", color=color, markersize=8,
+                    transform=edge)
         if mark is not None:
             ax.axvline(mark, color="gray", linestyle=":")
         ax.set(title=f"{label}\n{ending}", xlabel="step", ylabel="loss")
         ax.title.set_fontsize(9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("one rank's loss turns NaN: how each policy ends (square: a rank's last record; "
-                 "triangle: a skipped step; dotted: the NaN step)")
+        ax.legend(fontsize=8, loc="lower left")
+    fig.suptitle("one rank's loss turns NaN (X, top edge; dotted: its step); triangles: optimizer steps not taken")
     return fig
 
 
