@@ -8,7 +8,8 @@ Per step and rank it records (records.py has the file layout):
                 exactly the global loss (equal batches per rank) without an extra all-reduce per step
     lr, grad_norm (before clipping), clip_coef (the norm clipping left / grad_norm: 1.0 where it did not act),
                 samples and tokens this rank processed (rows of the inputs it ran)
-    t_data, t_fwd_bwd (includes DDP's all-reduce of gradients, overlapped with backward), t_optim,
+    t_data, t_fwd_bwd (includes DDP's all-reduce of gradients, overlapped with backward), t_optim (includes
+                the nan_policy flag's all-reduce under "stop"/"skip"),
     t_step      wall time since the previous step ended (so it includes writing the previous record)
     allreduces, comm_bytes   collectives this rank issued this step (DDP's comm hook: RunConfig.comm_hook; the
                 nan_policy flag; the plateau's held-out loss) and the bytes of the tensors handed to them, counted
