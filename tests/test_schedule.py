@@ -102,3 +102,15 @@ def test_plateau_on_the_all_reduced_loss_cuts_together_and_per_rank_losses_split
     assert before.groupby("step")["lr"].nunique().eq(1).all()
     apart = buggy.final_state(0), buggy.final_state(1)
     assert any(not torch.equal(apart[0][k], apart[1][k]) for k in apart[0])  # different LRs, different models
+
+
+def test_heldout_shards_split_one_fixed_set_between_the_ranks():
+    from labkit.training.plateau import HELDOUT_SENTENCES, heldout_batch
+    from labkit.training.tasks import make_task
+    task = make_task(RunConfig(world_size=2))
+    whole, _ = heldout_batch(task, 0, 1)
+    parts = [heldout_batch(task, r, 2)[0] for r in range(2)]
+    assert whole.shape[0] == HELDOUT_SENTENCES and torch.equal(torch.cat(parts), whole)
+    assert torch.equal(heldout_batch(make_task(RunConfig(world_size=2, seed=7)), 0, 1)[0], whole)  # not the seed's
+    inputs, targets = heldout_batch(make_task(RunConfig(task="digits")), 1, 2)
+    assert len(inputs) == len(targets) == 180
