@@ -108,7 +108,7 @@ class RunConfig:
     (`poly_power`, down to min_lr_ratio * lr); "plateau": torch's ReduceLROnPlateau on the held-out loss, measured
     every eval_every steps and all-reduced over ranks (training/schedule.py, training/plateau.py)."""
     warmup_steps: int = 0
-    """Linear warmup from lr/warmup_steps up to lr over this many steps."""
+    """Linear warmup from lr/warmup_steps up to lr over this many steps (transformers' schedules start from 0)."""
     min_lr_ratio: float = 0.0
     """Floor of the decaying schedules, as a fraction of lr (plateau: the lowest LR it cuts down to)."""
     cycles: int = 1
