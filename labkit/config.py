@@ -23,12 +23,13 @@ from .rules import Rule, boolean, integer, is_int, is_number, number, one_of, op
 TASKS = ("tinylm", "digits")
 MODEL_SIZES = ("tiny", "small", "base")
 OPTIMIZERS = ("sgd", "adam", "adamw")
-SCHEDULES = ("constant", "linear", "cosine")
+SCHEDULES = ("constant", "linear", "cosine", "cosine_restarts", "polynomial", "plateau")
 PRECISIONS = ("fp32", "bf16", "fp16")
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 STRATEGIES = ("ddp",)  # later lessons add "zero", "fsdp", ...
 COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd")
-FAULT_KINDS = ("raise", "segfault", "hang", "nan", "exit")
+FAULT_KINDS = ("raise", "segfault", "hang", "nan", "exit", "bad_batch")
+NAN_POLICIES = ("raise", "alone", "stop", "skip", "ignore")
 
 
 class ConfigError(ValueError):
@@ -50,7 +51,8 @@ class Fault:
     """A failure to inject on purpose:  Fault(kind="raise", rank=1, step=3).
 
     kinds: "raise" (a Python exception), "segfault" (SIGSEGV), "hang" (sleep forever), "nan" (a NaN loss),
-    "exit" (os._exit(3), a rank that vanishes without a traceback).
+    "exit" (os._exit(3), a rank that vanishes without a traceback), "bad_batch" (that rank's batch of that step
+    is corrupted: labels shuffled, float inputs scaled up; see training/faults.py).
     """
 
     kind: str
@@ -101,11 +103,25 @@ class RunConfig:
     momentum: float = 0.9
     """SGD momentum (ignored by Adam/AdamW)."""
     schedule: str = "constant"
-    """Shape of the LR after warmup: "constant" | "linear" | "cosine" (decay to min_lr_ratio * lr at the last step)."""
+    """Shape of the LR after warmup: "constant" | "linear" | "cosine" (decay to min_lr_ratio * lr at the last step);
+    transformers' own "cosine_restarts" (cosine with hard restarts and warmup, `cycles`) | "polynomial"
+    (`poly_power`, down to min_lr_ratio * lr); "plateau": torch's ReduceLROnPlateau on the held-out loss, measured
+    every eval_every steps and all-reduced over ranks (training/schedule.py, training/plateau.py)."""
     warmup_steps: int = 0
-    """Linear warmup from lr/warmup_steps up to lr over this many steps."""
+    """Linear warmup from lr/warmup_steps up to lr over this many steps (transformers' schedules start from 0)."""
     min_lr_ratio: float = 0.0
-    """Floor of the decaying schedules, as a fraction of lr."""
+    """Floor of the decaying schedules, as a fraction of lr (plateau: the lowest LR it cuts down to)."""
+    cycles: int = 1
+    """cosine_restarts: cosine cycles after warmup (transformers' num_cycles); each one restarts at the peak."""
+    poly_power: float = 1.0
+    """polynomial: the exponent of the decay (transformers' power; 1.0 is linear)."""
+    plateau_patience: int = 2
+    """plateau: held-out evaluations without improvement before the LR is cut."""
+    plateau_factor: float = 0.5
+    """plateau: what each cut multiplies the LR by."""
+    plateau_per_rank: bool = False
+    """plateau: feed each rank its own shard's held-out loss instead of the all-reduced one. The classic bug: the
+    ranks' schedulers then cut at different steps, and the ranks train with different LRs (Run.lr_disagreement)."""
     clip_norm: float | None = None
     """Clip the global gradient norm to this value; None records the norm without clipping."""
     precision: str = "fp32"
@@ -144,9 +160,17 @@ class RunConfig:
     branching: int = 4
     """tinylm: each token is followed by one of this many tokens, uniformly: the loss floor is ln(branching)."""
     eval_every: int = 0
-    """digits: measure held-out accuracy every this many steps (0: never)."""
-    stop_on_nan: bool = True
-    """Stop the run (RankFailure) at the first non-finite loss."""
+    """Evaluate every this many steps (0: never): digits' held-out accuracy; with schedule="plateau", the held-out
+    loss that drives it (any task)."""
+    nan_policy: str = "raise"
+    """What a non-finite loss (or gradient) does (training/stability.py):
+    "raise": the rank that sees it raises NonFiniteLoss; the launcher then stops the others (no collective);
+    "alone": that rank leaves its loop quietly, as a hand-written `if isnan(loss): break` does; its peers wait in
+        their next collective until the watchdog (launch's timeout) reports a hang;
+    "stop": one all-reduced flag per step; every rank stops at the same step, and the failure names the rank that
+        went non-finite first and the first parameter whose gradient was not finite;
+    "skip": the same flag; every rank skips that optimizer step, and records it (skipped_step, nonfinite_ranks);
+    "ignore": no check: NaNs flow through the gradient average into every rank."""
     faults: tuple[Fault, ...] = ()
     """Failures to inject on purpose, for lessons and tests."""
     tensorboard: bool = True
@@ -205,7 +229,7 @@ class RunConfig:
         if self.branching > self.vocab_size:
             out.append(f"RunConfig.branching = {self.branching}: must be at most RunConfig.vocab_size = "
                        f"{self.vocab_size}")
-        out += self._batch_problems()
+        out += self._batch_problems() + self._schedule_problems()
         for i, fault in enumerate(self.faults):
             out += [f"RunConfig.faults[{i}]: {why} (RunConfig.world_size = {self.world_size}, RunConfig.steps = "
                     f"{self.steps})" for why in fault.problems(self.world_size, self.steps)]
@@ -218,6 +242,21 @@ class RunConfig:
             return [f"RunConfig.global_batch = {self.global_batch}: does not split evenly over RunConfig.world_size="
                     f"{self.world_size} x RunConfig.grad_accum={self.grad_accum} = {split}; use a multiple of "
                     f"{split}, e.g. {lower} or {lower + split}"]
+        return []
+
+    def _schedule_problems(self) -> list[str]:
+        where = f"RunConfig.schedule = {self.schedule!r}"
+        if self.schedule == "plateau" and not self.eval_every:
+            return [f"{where} needs a held-out loss: set RunConfig.eval_every to how often to measure it, e.g. 5"]
+        if self.schedule == "plateau" and self.plateau_factor >= 1.0:
+            return [f"{where}: RunConfig.plateau_factor = {self.plateau_factor!r} must be below 1 (each cut "
+                    "multiplies the LR by it; torch's ReduceLROnPlateau refuses 1)"]
+        if self.schedule == "cosine_restarts" and self.min_lr_ratio:
+            return [f"{where}: transformers' restarts decay to 0; RunConfig.min_lr_ratio = {self.min_lr_ratio!r} "
+                    "must be 0 (or use 'cosine', which has a floor)"]
+        if self.schedule == "polynomial" and self.min_lr_ratio >= 1.0:
+            return [f"{where}: decays from lr to min_lr_ratio * lr, so RunConfig.min_lr_ratio = "
+                    f"{self.min_lr_ratio!r} must be below 1"]
         return []
 
     def validate(self) -> "RunConfig":
@@ -254,14 +293,16 @@ RULES: dict[str, Rule] = {
     "global_batch": integer(1), "grad_accum": integer(1), "no_sync": boolean, "steps": integer(1),
     "optimizer": one_of(*OPTIMIZERS), "lr": number(0.0, inclusive=False), "weight_decay": number(0.0),
     "momentum": number(0.0), "schedule": one_of(*SCHEDULES), "warmup_steps": integer(0),
-    "min_lr_ratio": number(0.0, high=1.0),
+    "min_lr_ratio": number(0.0, high=1.0), "cycles": integer(1), "poly_power": number(0.0, inclusive=False),
+    "plateau_patience": integer(0), "plateau_factor": number(0.0, inclusive=False, high=1.0),
+    "plateau_per_rank": boolean,
     "clip_norm": optional(number(0.0, inclusive=False), "no clipping"),
     "precision": one_of(*PRECISIONS), "seed": integer(0), "deterministic": boolean, "backend": one_of(*BACKENDS),
     "strategy": one_of(*STRATEGIES), "bucket_cap_mb": number(0.0, inclusive=False), "comm_hook": one_of(*COMM_HOOKS),
     "powersgd_rank": integer(1), "memory_budget_mb": optional(number(0.0, inclusive=False), "no budget"),
     "data_workers": integer(0), "sample_cost_ms": number(0.0), "pin_memory": boolean, "persistent_workers": boolean,
     "prefetch_factor": integer(1), "seq_len": integer(2), "vocab_size": integer(2), "branching": integer(1),
-    "eval_every": integer(0), "stop_on_nan": boolean, "tensorboard": boolean, "save_final": boolean, "name": text,
+    "eval_every": integer(0), "nan_policy": one_of(*NAN_POLICIES), "tensorboard": boolean, "save_final": boolean, "name": text,
 }
 """The rule each field's value must pass (labkit.rules); faults are checked by their own shape and ranges."""
 

@@ -17,6 +17,7 @@ Reading:
     run.df            # every record of every rank, sorted by step then rank
     run.steps()       # one row per step: mean loss, loss spread over ranks, lr, global throughput
     run.summary()     # median throughput, final loss, time to first step
+    run.lr_disagreement()   # the first step where the ranks' LRs differ (None: they agree)
 """
 from __future__ import annotations
 
@@ -155,6 +156,13 @@ class Run:
             "final_loss": float(steps["loss"].iloc[-1]) if len(steps) else math.nan,
             "time_to_first_step_s": float(first - launched) if launched else math.nan,
         }
+
+    def lr_disagreement(self) -> int | None:
+        """The first step at which the ranks' recorded LRs differ, or None when they agree at every step: a
+    per-rank LR decision (a scheduler fed each rank's own loss) silently trains the ranks differently."""
+        lrs = self.df.dropna(subset=["lr"]).groupby("step")["lr"].nunique() if "lr" in self.df else None
+        differ = [] if lrs is None else lrs.index[lrs > 1]
+        return int(differ[0]) if len(differ) else None
 
     def final_state(self, rank: int = 0) -> dict[str, Any]:
         """The parameters rank `rank` ended with (RunConfig.save_final)."""

@@ -128,7 +128,7 @@ def test_a_one_rank_run_sends_nothing(runs_root):
 
 
 def test_fp16_records_the_loss_scale_and_the_step_grad_scaler_skipped(runs_root):
-    cfg = CFG.replace(precision="fp16", steps=5, stop_on_nan=False, faults=(Fault(kind="nan", rank=1, step=2),))
+    cfg = CFG.replace(precision="fp16", steps=5, nan_policy="ignore", faults=(Fault(kind="nan", rank=1, step=2),))
     s = commeff.steps(labkit.launch(cfg, runs_root=runs_root, echo=False))
     assert s["skipped_step"].tolist() == [0, 0, 1, 0, 0]            # the NaN reached both ranks' gradients
     assert s["loss_scale"].tolist() == [2.0**16] * 3 + [2.0**15] * 2  # and the scale halved after it
@@ -139,7 +139,7 @@ def test_fp16_records_the_loss_scale_and_the_step_grad_scaler_skipped(runs_root)
 def test_a_scaler_that_never_skips_fails_the_skip_record(runs_root, monkeypatch):
     # A GradScaler whose step always calls the optimizer: the NaN step is taken, and the record says so.
     monkeypatch.setattr(torch.amp.GradScaler, "step", lambda self, optimizer, *a, **k: optimizer.step())
-    cfg = CFG.replace(precision="fp16", steps=3, stop_on_nan=False, faults=(Fault(kind="nan", rank=1, step=1),))
+    cfg = CFG.replace(precision="fp16", steps=3, nan_policy="ignore", faults=(Fault(kind="nan", rank=1, step=1),))
     s = commeff.steps(labkit.launch(cfg, runs_root=runs_root, echo=False))
     assert s["skipped_step"].tolist() == [0, 0, 0]
 

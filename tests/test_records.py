@@ -74,3 +74,15 @@ def test_slowest_takes_each_steps_largest_value_over_ranks():
     assert table["t_step"].tolist() == [0.2, 0.5] and table["t_data"].tolist() == [0.02, 0.0]
     with pytest.raises(KeyError, match="t_optim"):
         slowest_per_step(df, ["t_optim"])
+
+
+def test_lr_disagreement_names_the_first_step_where_the_ranks_lrs_differ(tmp_path):
+    write_meta(tmp_path, name="x", world_size=2)
+    lrs = {0: [0.1, 0.1, 0.05, 0.05, 0.025], 1: [0.1, 0.1, 0.1, 0.05, 0.025]}
+    for rank, values in lrs.items():
+        (tmp_path / f"rank{rank}.jsonl").write_text("".join(
+            json.dumps({"rank": rank, "step": s, "lr": lr, "loss": 1.0}) + "\n" for s, lr in enumerate(values)))
+    assert Run(tmp_path).lr_disagreement() == 2
+    (tmp_path / "rank1.jsonl").write_text("".join(
+        json.dumps({"rank": 1, "step": s, "lr": lr, "loss": 1.0}) + "\n" for s, lr in enumerate(lrs[0])))
+    assert Run(tmp_path).lr_disagreement() is None

@@ -3,7 +3,9 @@
     loop.py        train(ctx, config): DDP, one record per step and rank
     tasks.py       the built-in tasks: a model, the batches of each step, a loss
     data.py        which samples each step sees; the digits DataLoader pipeline
-    schedule.py    learning-rate schedules as pure functions of the step
+    schedule.py    learning-rate schedules as pure functions of the step (labkit's own and transformers')
+    plateau.py     the "plateau" schedule: ReduceLROnPlateau on a held-out loss all ranks agree on
+    stability.py   non-finite losses and gradients (RunConfig.nan_policy), clipping with its coefficient
     commhooks.py   how DDP sends gradients, and the collectives a rank really issued, counted
     amp.py         mixed precision: autocast, and whether GradScaler let each optimizer step happen
     faults.py      failures injected on purpose

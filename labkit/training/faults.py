@@ -3,6 +3,9 @@
     cfg = RunConfig(world_size=2, steps=10, faults=(Fault(kind="segfault", rank=1, step=3),))
     labkit.launch(cfg)   # -> RankFailure: rank 1 was killed by a signal at step 3: SIGSEGV
 
+    cfg = RunConfig(task="digits", faults=(Fault(kind="bad_batch", rank=1, step=5),))   # corrupt_batch
+    labkit.launch(cfg)   # rank 1's step-5 batch has shuffled labels and inputs 1000x too large; the run goes on
+
 Lessons use them to show what each failure looks like from the outside; tests use them to check the launcher.
 """
 from __future__ import annotations
@@ -11,6 +14,8 @@ import os
 import signal
 import time
 from typing import Iterable
+
+import torch
 
 from ..config import Fault
 
@@ -42,3 +47,21 @@ def inject(faults: Iterable[Fault], rank: int, step: int) -> None:
 def nan_factor(faults: Iterable[Fault], rank: int, step: int) -> float:
     """NaN for a Fault(kind="nan") at this rank and step (the loss is multiplied by it), else 1.0."""
     return float("nan") if _matching(faults, "nan", rank, step) else 1.0
+
+
+BAD_INPUT_SCALE = 1000.0  # a bad batch's float inputs are this many times too large (a missing normalisation)
+
+
+def corrupt_batch(faults: Iterable[Fault], rank: int, step: int, inputs: torch.Tensor,
+                  targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch a Fault(kind="bad_batch") on this rank and step turns it into, else the batch unchanged:
+    its labels shuffled (every target of the batch, permuted: the tokens or classes no longer follow the inputs)
+    and, where the inputs are floats (digits), the inputs scaled by BAD_INPUT_SCALE. Token ids cannot be scaled,
+    so a tinylm bad batch is its shuffled labels only.  inputs, targets = corrupt_batch(cfg.faults, 1, 5, x, y)"""
+    if not _matching(faults, "bad_batch", rank, step):
+        return inputs, targets
+    order = torch.randperm(targets.numel(), generator=torch.Generator().manual_seed(step))
+    targets = targets.reshape(-1)[order].reshape(targets.shape)
+    if inputs.is_floating_point():
+        inputs = inputs * BAD_INPUT_SCALE
+    return inputs, targets

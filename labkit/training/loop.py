@@ -6,21 +6,25 @@
 Per step and rank it records (records.py has the file layout):
     loss        this rank's loss (mean over its micro-batches); Run.steps() averages it over ranks, which is
                 exactly the global loss (equal batches per rank) without an extra all-reduce per step
-    lr, grad_norm (before clipping), samples and tokens this rank processed (rows of the inputs it ran)
-    t_data, t_fwd_bwd (includes DDP's all-reduce of gradients, overlapped with backward), t_optim,
+    lr, grad_norm (before clipping), clip_coef (the norm clipping left / grad_norm: 1.0 where it did not act),
+                samples and tokens this rank processed (rows of the inputs it ran)
+    t_data, t_fwd_bwd (includes DDP's all-reduce of gradients, overlapped with backward), t_optim (includes
+                the nan_policy flag's all-reduce under "stop"/"skip"),
     t_step      wall time since the previous step ended (so it includes writing the previous record)
-    allreduces, comm_bytes   collectives this rank issued this step (DDP's comm hook: RunConfig.comm_hook) and the
-                bytes of the tensors handed to them, counted at torch.distributed (commhooks.py)
+    allreduces, comm_bytes   collectives this rank issued this step (DDP's comm hook: RunConfig.comm_hook; the
+                nan_policy flag; the plateau's held-out loss) and the bytes of the tensors handed to them, counted
+                at torch.distributed (commhooks.py)
     loss_scale, skipped_step   what the loss was multiplied by before backward (GradScaler under fp16, else 1.0);
-                1 when the optimizer did not step (GradScaler found an inf/NaN gradient), counted by a hook (amp.py)
+                1 when the optimizer did not step (GradScaler found an inf/NaN gradient, or nan_policy "skip"/"stop"
+                held it back), counted by a hook (amp.py)
+    nonfinite_ranks   nan_policy "stop"/"skip": how many ranks' loss or gradients were not finite (stability.py)
     rss_mb      resident memory of the rank; peak_growth_mb its peak above the level before the first step
                 (RunConfig.memory_budget_mb turns it into an out-of-memory error); cuda_peak_mb on GPUs
-    accuracy / eval_accuracy on tasks that have them
+    accuracy / eval_accuracy on tasks that have them; eval_loss, eval_loss_rank under schedule="plateau"
 """
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from typing import Any
@@ -30,14 +34,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .amp import StepCounter, autocast
 from .commhooks import count_collectives, install_comm_hook, single_bucket_mb
-from .faults import inject, nan_factor
+from .faults import corrupt_batch, inject, nan_factor
+from .plateau import Plateau
 from .schedule import lr_for_config
 from .seeding import seed_everything, set_deterministic
+from .stability import NanGuard, NonFiniteLoss, optimizer_step
 from .tasks import Task, make_task
 
-
-class NonFiniteLoss(FloatingPointError):
-    """The loss became NaN or infinite (RunConfig.stop_on_nan)."""
+__all__ = ["train", "make_optimizer", "memory_fields", "NonFiniteLoss", "OutOfMemoryBudget"]
 
 
 class OutOfMemoryBudget(MemoryError):
@@ -61,37 +65,49 @@ def train(ctx: Any, config: Any = None) -> None:
     optimizer = make_optimizer(config, model.parameters())
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=config.precision == "fp16")
     taken = StepCounter(optimizer)
+    guard = NanGuard(config.nan_policy, model, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device,
+                     check_gradients=not scaler.is_enabled())
+    plateau = Plateau(config, task, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device) \
+        if config.schedule == "plateau" else None
     baseline = _rss_bytes()
     step_started = time.perf_counter()
     with count_collectives() as wire:  # what this rank really hands to torch.distributed, step by step
         for step in range(config.steps):
             ctx.heartbeat(step)
             inject(config.faults, ctx.rank, step)
-            lr = lr_for_config(step, config)
+            lr = lr_for_config(step, config, peak=plateau.lr if plateau else None)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss_scale, steps_before = scaler.get_scale(), taken.steps
+            guard.start_step()
             with _reported_as_out_of_memory(config, step):
                 loss, extras, t_data, t_fwd_bwd, samples = _forward_backward(ddp, task, ctx, config, scaler, step)
             t0 = time.perf_counter()
-            grad_norm = _optimizer_step(model, optimizer, scaler, config.clip_norm)
+            bad = guard.agree(loss) if guard.agrees else []  # one small all-reduce: every rank decides alike
+            norms = optimizer_step(model, optimizer, scaler, config.clip_norm, take=not bad)
             t_optim = _elapsed(t0, ctx.device)
             if config.eval_every and ((step + 1) % config.eval_every == 0 or step == config.steps - 1):
                 extras.update(task.evaluate(model))
+            if plateau and plateau.due(step):
+                extras.update(plateau.evaluate(model))
+            if guard.agrees:
+                extras["nonfinite_ranks"] = len(bad)
             allreduces, comm_bytes = wire.take()
             memory = memory_fields(ctx.device, baseline)
             now = time.perf_counter()
-            ctx.record(step, loss=loss, lr=lr, grad_norm=grad_norm,
+            ctx.record(step, loss=loss, lr=lr, **norms,
                        samples=samples, tokens=samples * task.tokens_per_sample,
                        t_data=t_data, t_fwd_bwd=t_fwd_bwd, t_optim=t_optim, t_step=now - step_started,
                        allreduces=allreduces, comm_bytes=comm_bytes, loss_scale=loss_scale,
                        skipped_step=int(taken.steps == steps_before), **memory, **extras)
             step_started = now
             _check_memory_budget(config, memory["peak_growth_mb"], step, task.batch_size)
-            if config.stop_on_nan and not math.isfinite(loss):
-                raise NonFiniteLoss(f"loss is {loss} at step {step} on rank {ctx.rank}; "
-                                    "lower the LR, clip gradients (clip_norm) or warm up")
+            if guard.leaves(loss, step, bad):  # raises, or this rank stops here (nan_policy "alone" / "stop")
+                break
     getattr(task, "close", lambda: None)()  # stop DataLoader workers after the last step, not inside it
+    if guard.policy == "stop" and bad:
+        return  # a peer raised the failure; the final parameters are not a finished run's
+    guard.wait_for_peers()  # "alone": the end-of-training barrier the ranks still in their loop never reach
     if config.save_final:
         (ctx.run_dir / "final").mkdir(exist_ok=True)
         torch.save(model.state_dict(), ctx.run_dir / "final" / f"rank{ctx.rank}.pt")
@@ -104,7 +120,8 @@ def _forward_backward(ddp: DDP, task: Task, ctx: Any, config: Any, scaler: Any,
     loss_total, extras, t_data, t_fwd_bwd, samples = 0.0, {}, 0.0, 0.0, 0
     for micro in range(config.grad_accum):
         t0 = time.perf_counter()
-        inputs, targets = (t.to(ctx.device, non_blocking=True) for t in task.batch(step, micro, ctx.rank))
+        inputs, targets = corrupt_batch(config.faults, ctx.rank, step, *task.batch(step, micro, ctx.rank))
+        inputs, targets = inputs.to(ctx.device, non_blocking=True), targets.to(ctx.device, non_blocking=True)
         t1 = time.perf_counter()
         sync = micro == config.grad_accum - 1 or not config.no_sync
         with (contextlib.nullcontext() if sync else ddp.no_sync()), autocast(config.precision, ctx.device):
@@ -116,21 +133,6 @@ def _forward_backward(ddp: DDP, task: Task, ctx: Any, config: Any, scaler: Any,
         loss_total += loss.item() / config.grad_accum
         samples += len(inputs)
     return loss_total, extras, t_data, t_fwd_bwd, samples
-
-
-def _optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,
-                    clip_norm: float | None) -> float:
-    """Unscale, measure (and maybe clip) the gradient norm, step, zero; returns the norm before clipping."""
-    scaler.unscale_(optimizer)
-    params = [p for p in model.parameters() if p.grad is not None]
-    if clip_norm is not None:
-        norm = torch.nn.utils.clip_grad_norm_(params, clip_norm)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return norm.item()
 
 
 def _bucket_cap_mb(config: Any, model: torch.nn.Module, ctx: Any) -> float:

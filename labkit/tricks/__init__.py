@@ -8,6 +8,8 @@
     loading.py     data loading: where a step's time goes                          (lesson 05)
     averaging.py   sync vs async: local SGD, Hogwild                               (lesson 06)
     sharding.py    data sharding: DistributedSampler's traps, Join                 (lesson 07)
+    stability.py   loss spikes and NaNs: what each rank saw, nan_policy, clipping  (lesson 09)
+    schedules.py   LR schedules: recorded vs the schedule, ranks' agreement, warmup (lesson 10)
     memory.py      ZeRO's model-state formulas (also labkit.memory)                (lesson 14)
     exercises/     build DDP and ZeRO yourself: references, checkers on real ranks (lessons 16, 17)
 

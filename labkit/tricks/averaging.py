@@ -244,7 +244,7 @@ class Hogwild:
                 calls, sent = wire.take()
                 ctx.record(step, loss=loss.item(), lr=lr, samples=task.batch_size, t_step=time.perf_counter() - t0,
                            allreduces=calls, comm_bytes=sent)
-                if config.stop_on_nan and not math.isfinite(loss.item()):
+                if config.nan_policy != "ignore" and not math.isfinite(loss.item()):  # no collectives to agree over
                     raise NonFiniteLoss(f"loss is {loss.item()} at step {step} on rank {ctx.rank}: Hogwild "
                                         "diverged; lower the LR")
         return task.evaluate(self.model)
