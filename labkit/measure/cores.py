@@ -49,7 +49,6 @@ class CpuMeter:
     def __init__(self, interval_s: float = 0.025):
         self.interval_s, self.cores = interval_s, sorted(os.sched_getaffinity(0))
         self.samples: list[tuple[float, float, float]] = []   # (time, our CPU seconds, all CPU seconds on cores)
-        self._last: dict[int, float] = {}   # pid -> its CPU seconds when last seen (kept after it exits)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
@@ -67,17 +66,23 @@ class CpuMeter:
             self._sample()
 
     def _sample(self) -> None:
-        me = psutil.Process()
-        for proc in [me, *me.children(recursive=True)]:   # the launcher counts as ours too
+        # Each process of our tree counts its own CPU and that of the children it has reaped (children_user/system):
+        # a worker that starts and ends between two samples (DataLoader workers restarted each epoch) still counts
+        # as ours once its parent reaps it, and a zombie is still listed until then, so nothing is lost or counted
+        # twice. A process reaped while we list the tree can be missed for one sample: the total never goes down.
+        me, ours = psutil.Process(), 0.0
+        for proc in [me, *me.children(recursive=True)]:
             try:
                 cpu = proc.cpu_times()
-                self._last[proc.pid] = cpu.user + cpu.system
             except psutil.Error:
-                continue  # it ended between the listing and the reading: its last sample stands
+                continue
+            ours += cpu.user + cpu.system + cpu.children_user + cpu.children_system
+        if self.samples:
+            ours = max(ours, self.samples[-1][1])
         per_core = psutil.cpu_times(percpu=True)
         busy = sum(c.user + c.nice + c.system + c.irq + c.softirq + c.steal
                    for i, c in enumerate(per_core) if i in self.cores)
-        self.samples.append((time.time(), sum(self._last.values()), busy))
+        self.samples.append((time.time(), ours, busy))
 
     def cores_busy(self, start: float, end: float) -> tuple[float, float]:
         """(ours, others): mean cores kept busy between `start` and `end` (time.time() values) by this process and
