@@ -110,3 +110,13 @@ def test_make_test_prints_the_count_at_the_end(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "gated speed claims: 1 checked, 1 skipped" in out.stdout
     assert "SKIPPED: busy claim" in out.stdout
+
+
+def test_a_gate_waits_for_quiet_before_measuring_again_and_gives_up_if_it_stays_busy(log, capsys):
+    made, waits = [], []
+    busy = gated("busy", lambda m: None, Fake([(0.9, 1)] * 5, made), wait=lambda limit: waits.append(limit) or 0.8)
+    assert busy.status == "skipped" and busy.attempts == 1 and len(made) == 1 and waits == [claims.LIMIT_CORES]
+    assert "then still 0.80 while waiting" in busy.reason
+    made = []
+    calm = gated("calm", lambda m: None, Fake([(0.9, 1), (0.0, 2)], made), wait=lambda limit: 0.05)
+    assert calm.checked and calm.attempts == 2 and len(made) == 2

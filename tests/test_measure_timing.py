@@ -91,6 +91,7 @@ def test_variants_run_interleaved_pinned_and_metered(runs_root, no_leftovers):
     assert timed.others == max(t.others for t in timed.values())
     assert list(timed.table().index) == ["a", "b"]
     assert list(timed.only(["b"])) == ["b"]
+    assert timed.only(["b"]).wait_for_quiet(99.0, timeout_s=1.0) <= 99.0       # watches the cores it pinned
     again = timed.only(["b"]).again()
     assert list(again) == ["b"] and order[6:] == ["b", "b", "b"]
 
@@ -149,3 +150,14 @@ def test_short_lived_children_count_as_ours_not_as_others():
     burned = children_cpu() - before
     (t0, ours0, _), (t1, ours1, _) = meter.samples[0], meter.samples[-1]
     assert burned > 0.3 and ours1 - ours0 > 0.95 * burned, (ours1 - ours0, burned)
+
+
+def test_waiting_for_quiet_cores_returns_when_quiet_or_when_time_is_up():
+    from labkit.measure.cores import others_now, wait_for_quiet
+    assert others_now(1, 0.2) >= 0.0
+    started = time.time()
+    assert wait_for_quiet(1, limit=99.0, timeout_s=5.0, window_s=0.2) <= 99.0     # anything is quiet enough
+    assert time.time() - started < 1.0
+    started = time.time()
+    wait_for_quiet(1, limit=-1.0, timeout_s=0.6, window_s=0.2)                   # nothing is quiet enough
+    assert 0.4 < time.time() - started < 2.0

@@ -1,7 +1,7 @@
 """How lessons and benchmarks measure speed honestly: on pinned cores, with the other programs on those cores
 metered, so that a speed claim is checked only when the cores were ours.
 
-    cores.py       pinned_to(n), CpuMeter: the cores a block runs on, and who kept them busy
+    cores.py       pinned_to(n), CpuMeter, wait_for_quiet: the cores a block runs on, and who kept them busy
     timing.py      interleaved(variants, rounds=, cores=): several variants timed side by side, least disturbed kept
     claims.py      gated(claim, check, measured): check a speed claim on a quiet measurement, or say NOT CHECKED
 """

@@ -10,8 +10,9 @@ cores, then check (assert) or say NOT CHECKED, and keep a record either way.
 
 Other programs on our cores only take time away, and unevenly, so a speed comparison made while they ran says
 little either way. The gate judges a measurement by the cores other programs kept busy on the pinned cores (the
-CpuMeter's `others`; for a Timings, its busiest variant). Over `limit`, it measures again, at most `attempts`
-times in all. Then it either runs the check and records "checked" (an AssertionError is recorded as "failed" and
+CpuMeter's `others`; for a Timings, its busiest variant). Over `limit`, it waits a little for the cores to fall
+quiet and measures again, at most `attempts` times in all (if they stay busy, it stops there: measuring again
+would be in vain, and a lesson's cell must end in minutes). Then it either runs the check and records "checked" (an AssertionError is recorded as "failed" and
 raised), or records "skipped" and prints NOT CHECKED with the reason. A skipped claim is not a passed claim: each
 outcome is appended as one JSON line to the file that LABKIT_CLAIMS_LOG names, and `make test` counts them.
 """
@@ -49,14 +50,18 @@ class Outcome:
 
 def gated(claim: str, check: Callable[[Any], None], measured: Any = None, *,
           measure: Callable[[], Any] | None = None, others: Callable[[Any], float] | None = None,
-          limit: float = LIMIT_CORES, attempts: int = ATTEMPTS) -> Outcome:
+          wait: Callable[[float], float] | None = None, limit: float = LIMIT_CORES,
+          attempts: int = ATTEMPTS) -> Outcome:
     """Run `check(measurement)` on a measurement during which other programs kept at most `limit` cores busy:
 
         gated("2 ranks scale", check, timed)                      # a Timings: retries measure it again()
         gated("fake", check, measure=lambda: next(fakes), others=lambda m: m["others"])   # any measurement
 
     measured: a measurement already made (the first attempt), or None to start by measuring.
-    measure: makes a fresh one; default `measured.again()`. others: its others' cores; default `m.others`."""
+    measure: makes a fresh one; default `measured.again()`. others: its others' cores; default `m.others`.
+    wait(limit): called before measuring again; waits a while for the cores to fall quiet and returns the others'
+    cores it saw last. Still busy: the claim is skipped without measuring in vain. Default: the measurement's own
+    wait_for_quiet (a Timings watches its pinned cores for up to 10 s), or no waiting."""
     if not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 1:
         raise ValueError(f"attempts = {attempts!r}: must be an integer >= 1 (measurements in all)")
     if not (isinstance(limit, (int, float)) and limit >= 0):
@@ -67,17 +72,23 @@ def gated(claim: str, check: Callable[[Any], None], measured: Any = None, *,
                              "measure itself again (a measure.Timings)")
         measure = measured.again
     judge = others or (lambda m: float(m.others))
+    wait = wait or getattr(measured, "wait_for_quiet", None)
     seen: list[float] = []
     measurement = measured if measured is not None else measure()
+    still = ""
     while True:
         seen.append(round(float(judge(measurement)), 3))
         if seen[-1] <= limit:
             return _check(claim, check, measurement, seen, limit)
         if len(seen) >= attempts:
             break
+        now = wait(limit) if wait is not None else 0.0
+        if now > limit:
+            still = f"; then still {now:.2f} while waiting to measure again"
+            break
         measurement = measure()
     reason = (f"other programs kept {min(seen):.2f} to {max(seen):.2f} cores busy on the pinned cores in "
-              f"{len(seen)} measurement{'s' * (len(seen) > 1)} (limit {limit:g})")
+              f"{len(seen)} measurement{'s' * (len(seen) > 1)} (limit {limit:g}){still}")
     print(f"NOT CHECKED, {claim}: {reason}")
     return record(Outcome(claim, "skipped", len(seen), seen, limit, reason))
 

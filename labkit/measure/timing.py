@@ -28,7 +28,7 @@ import pandas as pd
 from ..config import RunConfig
 from ..records import Run
 from ..run.launch import launch
-from .cores import CpuMeter, pinned_to
+from .cores import CpuMeter, pinned_to, wait_for_quiet
 
 Variant = Union[RunConfig, Callable[[], Run]]   # a config to launch, or a function that launches and returns a Run
 
@@ -77,6 +77,11 @@ class Timings(dict):
             raise ValueError("only Timings measured with the same rounds, cores, warm-up and launch arguments can "
                              f"be joined; got {getattr(other, 'settings', type(other).__name__)} and {self.settings}")
         return Timings({**self, **other}, {**self.variants, **other.variants}, self.settings)
+
+    def wait_for_quiet(self, limit: float, timeout_s: float = 10.0) -> float:
+        """Wait (at most timeout_s) until other programs keep at most `limit` of the cores this was measured on
+        busy; the others' cores last seen. A claims gate calls it before measuring again."""
+        return wait_for_quiet(self.settings["cores"], limit, timeout_s)
 
     def again(self) -> "Timings":
         """Measure these variants afresh, with the same rounds, cores and warm-up."""
