@@ -106,3 +106,17 @@ def test_the_sweep_table_and_its_figure_come_from_measured_runs(runs_root, no_le
     assert table["others' cores"].tolist() == [timed["w1"].others, timed["w2"].others]
     fig = scaling.plot_scaling(table, cores=1)
     assert len(fig.axes) == 2 and fig.axes[1].get_ylabel() == "efficiency"
+
+
+def test_accumulation_trains_as_the_one_batch_does_and_the_check_sees_a_difference(runs_root, no_leftovers):
+    """Lesson 03's fix cell asserts losses equal to the one-batch run's within 1e-5: that holds for accumulation,
+    and fails for a run that really trains differently (here: a slightly different learning rate)."""
+    import labkit
+    one = RunConfig(task="tinylm", world_size=2, global_batch=32, steps=3, optimizer="sgd", lr=0.01,
+                    tensorboard=False, save_final=False)
+    runs = {name: labkit.launch(cfg, runs_root=runs_root, echo=False, progress=False)
+            for name, cfg in {"one": one, "accum": one.replace(grad_accum=4), "other": one.replace(lr=0.011)}.items()}
+    loss = {name: run.steps()["loss"] for name, run in runs.items()}
+    assert (runs["accum"].df.groupby("step")["samples"].sum() == 32).all()
+    assert (loss["accum"] - loss["one"]).abs().max() < 1e-5
+    assert (loss["other"] - loss["one"]).abs().max() > 1e-5
