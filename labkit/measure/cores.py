@@ -60,6 +60,7 @@ class CpuMeter:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
+        self._sample()   # the block's last moments too, not only up to the last tick
 
     def _poll(self) -> None:
         while not self._stop.wait(self.interval_s):
