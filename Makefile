@@ -25,7 +25,7 @@ lab: install
 
 test: install
 	rm -rf $(TEST_RUNS) && mkdir -p $(TEST_RUNS)
-	LABKIT_QUICK=1 LABKIT_RUNS=$(TEST_RUNS) MPLBACKEND=Agg $(BIN)/python -m pytest tests --nbmake notebooks \
+	LABKIT_QUICK=1 LABKIT_RUNS=$(TEST_RUNS) LABKIT_CLAIMS_LOG=$(TEST_RUNS)/claims.jsonl MPLBACKEND=Agg $(BIN)/python -m pytest tests --nbmake notebooks \
 		--nbmake-timeout=300 -v --durations=15
 
 book: install

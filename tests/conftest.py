@@ -1,5 +1,9 @@
-"""Shared fixtures: a scratch runs folder per test, and a check that no process outlives a launch."""
+"""Shared fixtures: a scratch runs folder per test, a check that no process outlives a launch, and the count of
+gated speed claims at the end of the summary."""
 from __future__ import annotations
+
+import os
+import time
 
 import psutil
 import pytest
@@ -29,3 +33,24 @@ def no_leftovers():
     yield
     left = leftover_processes()
     assert not left, f"processes left alive: {[(p.pid, p.cmdline()) for p in left]}"
+
+
+# --- gated speed claims: what the lessons checked, and what they could not (labkit.measure.claims) -----------
+
+_session_started = time.time()
+
+
+@pytest.hookimpl(trylast=True)   # after the durations table: the last section before the final counts
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """At the end of the summary: 'gated speed claims: N checked, M skipped' from the LABKIT_CLAIMS_LOG file
+    (`make test` sets it), and each skipped claim by name, so that a skipped claim is seen, not buried."""
+    from labkit.measure.claims import LOG_ENV, read_log, summary_lines
+    path = os.environ.get(LOG_ENV)
+    if not path:
+        return
+    outcomes = read_log(path, since=_session_started)
+    lines = summary_lines(outcomes)
+    skipped = any(o.status != "checked" for o in outcomes)
+    terminalreporter.section("gated speed claims", yellow=skipped, bold=skipped)
+    for line in lines:
+        terminalreporter.write_line(line, yellow=skipped, bold=line is lines[0])

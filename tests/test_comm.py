@@ -106,3 +106,16 @@ def test_bad_requests_are_refused_before_launching(runs_root):
         with pytest.raises(ValueError, match="CUDA GPUs"):
             comm.benchmark(backend="nccl", runs_root=runs_root)
     assert not runs_root.exists()
+
+
+def test_sizes_read_as_people_write_them():
+    assert comm.human_bytes(4096) == "4 KiB" and comm.human_bytes(3 * MiB // 2) == "1.5 MiB"
+    assert comm.human_bytes(100) == "100 B"
+
+
+def test_a_ring_prediction_is_the_model_time_and_its_busbw():
+    row = comm.ring_prediction(MiB, 4, alpha=1e-4, bandwidth=1e9)
+    t = 6 * 1e-4 + 1.5 * MiB / 1e9                     # 2(n-1) alpha + 2(n-1)/n S/B at n = 4
+    assert row["size"] == "1 MiB" and row["ranks"] == 4
+    assert row["predicted ms"] == round(t * 1e3, 3)
+    assert row["busbw GB/s"] == round(1.5 * MiB / t / 1e9, 3)

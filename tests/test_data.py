@@ -7,9 +7,10 @@ import torch
 
 import labkit
 from labkit import Fault, RunConfig
-from labkit.measure import CpuMeter
+from labkit.measure import CpuMeter, interleaved
+from labkit.measure.timing import metered
 from labkit.training.data import DigitsSamples, DigitsStream, StepBatchSampler, digits_data, sample_work
-from labkit.tricks.loading import cores_busy, step_split
+from labkit.tricks.loading import epoch_starts, predicted_step, split_table, step_split
 from labkit.training.tasks import make_task
 
 from .conftest import leftover_processes
@@ -107,10 +108,13 @@ def test_the_sampler_yields_the_rows_of_each_micro_batch_from_where_it_is_told()
     assert all(len(k) == 8 for k in keys)
 
 
-def test_cores_busy_reads_the_samples_between_two_times():
-    meter = CpuMeter()
-    meter.samples = [(0.0, 0.0, 0.0), (1.0, 1.5, 1.75), (2.0, 3.0, 3.5)]
-    assert meter.cores_busy(0.5, 1.5) == (1.5, 0.25)
+def test_the_loader_model_never_beats_the_cores_and_overlaps_compute():
+    assert predicted_step(0, 2, data_ms=32, compute_ms=3)["ms per step"] == 35      # one after the other
+    assert predicted_step(1, 2, data_ms=32, compute_ms=3)["ms per step"] == 32      # the worker hides compute
+    assert predicted_step(2, 2, data_ms=32, compute_ms=3)["ms per step"] == 17.5    # both cores, no better
+    assert predicted_step(8, 2, data_ms=32, compute_ms=3)["ms per step"] == 17.5
+    assert predicted_step(8, 32, data_ms=32, compute_ms=3) == {"workers": 8, "cores": 32, "ms per step": 4.0,
+                                                               "ms waiting for data": 1.0}
 
 
 def test_a_launch_with_workers_records_t_data_trains_the_same_and_leaves_nothing(runs_root, no_leftovers):
@@ -124,8 +128,27 @@ def test_a_launch_with_workers_records_t_data_trains_the_same_and_leaves_nothing
     assert loaded.steps()["loss"].tolist() == plain.steps()["loss"].tolist()  # the same samples, bit for bit
     split = step_split(loaded, warmup=2)
     assert split["t_data"] > 0 and split["t_step"] >= split["t_data"]
-    ours, others = cores_busy(loaded, meter, warmup=2)
+    ours, others = metered(loaded, meter, warmup=2)
     assert 0 < ours < psutil.cpu_count() + 0.5 and others >= 0
+    starts = epoch_starts({"loaded": loaded}, steps_per_epoch=4).loc["loaded"]
+    assert starts["whole run (s)"] == pytest.approx(loaded.df.groupby("step")["t_step"].max().sum())
+    assert starts["run's first step (ms)"] == pytest.approx(1e3 * loaded.df[loaded.df.step == 0]["t_data"].max())
+    epoch_start = loaded.df[loaded.df.step == 4]["t_data"].max()              # step 4: the second epoch begins
+    assert starts["epoch's first step (ms, median)"] == pytest.approx(1e3 * epoch_start)
+
+
+def test_the_split_table_has_the_parts_in_ms_and_the_meter_per_setting(runs_root, no_leftovers):
+    cfg = RunConfig(task="digits", world_size=1, global_batch=32, steps=8, sample_cost_ms=0.2, tensorboard=False,
+                    save_final=False)
+    timed = interleaved({"0 workers": cfg, "1 worker": cfg.replace(data_workers=1)}, rounds=1,
+                        cores=1, warmup=2, runs_root=runs_root)
+    table = split_table(timed)
+    assert list(table.index) == ["0 workers", "1 worker"]
+    row, split = table.loc["1 worker"], step_split(timed["1 worker"].run, warmup=2)
+    assert row["t_data_ms"] == pytest.approx(1e3 * split["t_data"])
+    assert row["samples/s"] == pytest.approx(32 / split["t_step"])
+    assert row["cores busy"] == timed["1 worker"].ours and row["others' cores"] == timed["1 worker"].others
+    assert row["t_cpu_ms"] == pytest.approx(row["t_step_ms"] * row["cores busy"])
 
 
 def test_a_rank_that_fails_takes_its_workers_with_it(runs_root, no_leftovers):

@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from labkit import RunConfig
+from labkit.tricks import scaling
 from labkit.tricks.scaling import (global_batch, grad_accum_to_fit, linear_scaling_lr, loss_near, oversubscribed,
                             scaling_efficiency, speedup, warmup_steps_for)
 
@@ -81,3 +82,41 @@ def test_loss_near_averages_the_window_of_samples_seen():
 
 def test_oversubscribed_means_more_ranks_than_cores():
     assert oversubscribed(4, 2) and not oversubscribed(2, 2) and not oversubscribed(1, 2)
+
+
+def test_a_layout_gets_the_linear_rule_lr_and_an_epoch_of_warmup():
+    row = scaling.layout(8, 32, 2, base_lr=0.03, base_batch=32, epoch_samples=1437)
+    assert row["global batch"] == 512 and row["lr (linear rule)"] == pytest.approx(0.48)
+    assert row["warmup steps (1 epoch)"] == 3 and (row["ranks"], row["per rank"], row["accumulation"]) == (8, 32, 2)
+
+
+def test_the_sweep_table_and_its_figure_come_from_measured_runs(runs_root, no_leftovers):
+    from labkit.measure import interleaved
+    cfg = RunConfig.per_rank(batch_per_rank=4, world_size=1, task="tinylm", steps=5, optimizer="sgd", lr=0.01,
+                             tensorboard=False, save_final=False)
+    timed = interleaved({"w1": cfg, "w2": cfg.replace(world_size=2, global_batch=8)}, rounds=1, cores=2,
+                        runs_root=runs_root)
+    table = scaling.sweep_table(timed, cores=1)
+    assert list(table.index) == [("tiny", 4, 1), ("tiny", 4, 2)]
+    one, two = table["samples/s"].tolist()
+    assert table["efficiency"].tolist() == pytest.approx([1.0, two / (2 * one)])
+    assert table["speedup"].tolist() == pytest.approx([1.0, two / one])
+    assert table["allreduce_MB"].iloc[0] == 0 < table["allreduce_MB"].iloc[1]     # one rank sends nothing
+    assert table["ranks per core"].tolist() == ["1", "2 (oversubscribed)"]
+    assert table["others' cores"].tolist() == [timed["w1"].others, timed["w2"].others]
+    fig = scaling.plot_scaling(table, cores=1)
+    assert len(fig.axes) == 2 and fig.axes[1].get_ylabel() == "efficiency"
+
+
+def test_accumulation_trains_as_the_one_batch_does_and_the_check_sees_a_difference(runs_root, no_leftovers):
+    """Lesson 03's fix cell asserts losses equal to the one-batch run's within 1e-5: that holds for accumulation,
+    and fails for a run that really trains differently (here: a slightly different learning rate)."""
+    import labkit
+    one = RunConfig(task="tinylm", world_size=2, global_batch=32, steps=3, optimizer="sgd", lr=0.01,
+                    tensorboard=False, save_final=False)
+    runs = {name: labkit.launch(cfg, runs_root=runs_root, echo=False, progress=False)
+            for name, cfg in {"one": one, "accum": one.replace(grad_accum=4), "other": one.replace(lr=0.011)}.items()}
+    loss = {name: run.steps()["loss"] for name, run in runs.items()}
+    assert (runs["accum"].df.groupby("step")["samples"].sum() == 32).all()
+    assert (loss["accum"] - loss["one"]).abs().max() < 1e-5
+    assert (loss["other"] - loss["one"]).abs().max() > 1e-5

@@ -49,7 +49,6 @@ class CpuMeter:
     def __init__(self, interval_s: float = 0.025):
         self.interval_s, self.cores = interval_s, sorted(os.sched_getaffinity(0))
         self.samples: list[tuple[float, float, float]] = []   # (time, our CPU seconds, all CPU seconds on cores)
-        self._last: dict[int, float] = {}   # pid -> its CPU seconds when last seen (kept after it exits)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
@@ -61,23 +60,30 @@ class CpuMeter:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
+        self._sample()   # the block's last moments too, not only up to the last tick
 
     def _poll(self) -> None:
         while not self._stop.wait(self.interval_s):
             self._sample()
 
     def _sample(self) -> None:
-        me = psutil.Process()
-        for proc in [me, *me.children(recursive=True)]:   # the launcher counts as ours too
+        # Each process of our tree counts its own CPU and that of the children it has reaped (children_user/system):
+        # a worker that starts and ends between two samples (DataLoader workers restarted each epoch) still counts
+        # as ours once its parent reaps it, and a zombie is still listed until then, so nothing is lost or counted
+        # twice. A process reaped while we list the tree can be missed for one sample: the total never goes down.
+        me, ours = psutil.Process(), 0.0
+        for proc in [me, *me.children(recursive=True)]:
             try:
                 cpu = proc.cpu_times()
-                self._last[proc.pid] = cpu.user + cpu.system
             except psutil.Error:
-                continue  # it ended between the listing and the reading: its last sample stands
+                continue
+            ours += cpu.user + cpu.system + cpu.children_user + cpu.children_system
+        if self.samples:
+            ours = max(ours, self.samples[-1][1])
         per_core = psutil.cpu_times(percpu=True)
         busy = sum(c.user + c.nice + c.system + c.irq + c.softirq + c.steal
                    for i, c in enumerate(per_core) if i in self.cores)
-        self.samples.append((time.time(), sum(self._last.values()), busy))
+        self.samples.append((time.time(), ours, busy))
 
     def cores_busy(self, start: float, end: float) -> tuple[float, float]:
         """(ours, others): mean cores kept busy between `start` and `end` (time.time() values) by this process and
@@ -86,3 +92,23 @@ class CpuMeter:
         mine = (np.interp(end, times, ours) - np.interp(start, times, ours)) / (end - start)
         total = (np.interp(end, times, every) - np.interp(start, times, every)) / (end - start)
         return float(mine), float(max(0.0, total - mine))
+
+
+def others_now(cores: int, seconds: float = 1.0) -> float:
+    """Cores that other programs keep busy on the first `cores` cores, watched for `seconds` while this process
+    waits:  others_now(2) -> 0.04 on a quiet machine."""
+    with pinned_to(cores), CpuMeter() as meter:
+        start = time.time()
+        time.sleep(seconds)
+        end = time.time()
+    return meter.cores_busy(start, end)[1]
+
+
+def wait_for_quiet(cores: int, limit: float, timeout_s: float = 10.0, window_s: float = 1.0) -> float:
+    """Watch the first `cores` cores in windows of `window_s` until other programs keep at most `limit` of them busy,
+    or `timeout_s` has passed; the others' cores of the last window:  wait_for_quiet(2, limit=0.2) -> 0.05."""
+    deadline = time.time() + timeout_s
+    while True:
+        others = others_now(cores, window_s)
+        if others <= limit or time.time() + window_s > deadline:
+            return others

@@ -106,6 +106,14 @@ def relative_errors(sizes: Sequence[float], times: Sequence[float], world: int, 
     return np.abs(ring_time(sizes, world, alpha, bandwidth) - t) / t
 
 
+def ring_prediction(size_bytes: int, world: int, alpha: float, bandwidth: float) -> dict[str, Any]:
+    """What the ring model predicts for one all_reduce of `size_bytes` on `world` ranks, as a table row:
+    ring_prediction(1 << 20, 8, alpha=1e-4, bandwidth=1e9) -> {"size": "1 MiB", "ranks": 8, "predicted ms": ...}."""
+    t = float(ring_time(size_bytes, world, alpha, bandwidth))
+    return {"size": human_bytes(size_bytes), "ranks": world, "predicted ms": round(t * 1e3, 3),
+            "busbw GB/s": round(busbw("all_reduce", size_bytes, t, world), 3)}
+
+
 def message_sizes(smallest: int = 4 * KiB, largest: int | None = None, factor: int | None = None) -> list[int]:
     """Powers of `factor` from `smallest` to `largest` bytes: 4 KiB..64 MiB by 2 (quick mode: ..16 MiB by 4).
 
@@ -272,7 +280,7 @@ def plot_bandwidth(df: pd.DataFrame, *, model: bool = True, title: str | None = 
     for ax in (ax_t, ax_bw):
         ax.set_xscale("log", base=2)  # one tick per power of two: the sizes measured
         ax.set_xlabel("message size (all_gather/reduce_scatter: gathered total)")
-        ax.xaxis.set_major_formatter(lambda value, _: _human_bytes(value))
+        ax.xaxis.set_major_formatter(lambda value, _: human_bytes(value))
         ax.yaxis.set_major_formatter(lambda value, _: f"{value:g}")
         ax.grid(alpha=0.3, which="both")
     ax_bw.legend(fontsize=8, loc="lower right")
@@ -294,6 +302,7 @@ def _draw_model(ax_t: Any, ax_bw: Any, g: pd.DataFrame, world: int, color: str) 
                label=label)
 
 
-def _human_bytes(value: float) -> str:
+def human_bytes(value: float) -> str:
+    """A size as people write it:  human_bytes(4096) -> "4 KiB", human_bytes(3 * MiB / 2) -> "1.5 MiB"."""
     unit, scale = ("MiB", MiB) if value >= MiB else ("KiB", KiB) if value >= KiB else ("B", 1)
     return f"{value / scale:.3g} {unit}"

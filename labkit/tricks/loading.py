@@ -1,17 +1,21 @@
-"""Where a step's time goes when data loading is the question: the split of a step, and its picture (lesson 05).
+"""Where a step's time goes when data loading is the question (lesson 05): the split of a step, its table and
+picture, the cost of restarting workers, and the simplest model of workers sharing cores.
 
-    split = step_split(run)               # {"t_data": 0.031, "t_fwd_bwd": 0.004, "t_optim": 0.001, "t_step": 0.037}
-    ours, others = cores_busy(run, meter) # cores kept busy during the averaged steps (a measure.CpuMeter)
+    timed = measure.interleaved({"0 workers": cfg, "2 workers": cfg.replace(data_workers=2)}, rounds=2, cores=2,
+                                warmup=4)
+    table = split_table(timed)            # per setting: t_data_ms, t_fwd_bwd_ms, ..., cores busy, others' cores
     fig = plot_step_split(table)          # stacked bars, one per setting
+    step_split(timed["2 workers"].run)    # {"t_data": 0.031, "t_fwd_bwd": 0.004, "t_optim": 0.001, "t_step": 0.037}
+    predicted_step(workers=2, cores=2, data_ms=32, compute_ms=3)   # {"ms per step": 17.5, ...}
 """
 from __future__ import annotations
 
-import math
-from typing import Any
+from typing import Any, Mapping
 
-from matplotlib.figure import Figure
+import pandas as pd
 
-from ..measure.cores import CpuMeter
+from ..measure.claims import LIMIT_CORES
+from ..measure.timing import Timing
 from ..view import COLORS, new_figure, shown
 
 PARTS = ("t_data", "t_fwd_bwd", "t_optim")
@@ -30,37 +34,80 @@ def step_split(run: Any, warmup: int = 4) -> dict[str, float]:
     return {name: float(per_step[name].mean()) for name in per_step}
 
 
-def cores_busy(run: Any, meter: CpuMeter, warmup: int = 4) -> tuple[float, float]:
-    """(ours, others) over the steps step_split averages: after `warmup`, before the last."""
-    times = run.df.groupby("step")["time"].max()
-    if len(times) <= warmup + 1:
-        return math.nan, math.nan
-    return meter.cores_busy(times.iloc[max(warmup - 1, 0)], times.iloc[-2])
+def split_table(timed: Mapping[str, Timing], warmup: int | None = None) -> pd.DataFrame:
+    """One row per setting of a measure.Timings: the step's parts in ms (step_split of the kept run), samples/s,
+    the cores our processes and other programs kept busy, and t_cpu_ms, the CPU our processes spent per step:
+
+        split_table(measure.interleaved({...}, rounds=2, cores=2, warmup=4))
+
+    `warmup` defaults to the one the Timings was measured with."""
+    warmup = warmup if warmup is not None else getattr(timed, "settings", {}).get("warmup", 4)
+    rows = {}
+    for label, t in timed.items():
+        split = step_split(t.run, warmup)
+        row = {f"{name}_ms": 1e3 * value for name, value in split.items()}
+        row["samples/s"] = t.run.config.global_batch / split["t_step"]
+        row.update({"cores busy": t.ours, "others' cores": t.others, "t_cpu_ms": row["t_step_ms"] * t.ours})
+        rows[label] = row
+    return pd.DataFrame(rows).T
+
+
+def epoch_starts(runs: Mapping[str, Any], steps_per_epoch: int) -> pd.DataFrame:
+    """Per run (rows): t_data of its first step, of later epochs' first steps (median) and of the other steps
+    (median), in ms of the slowest rank, and the whole run's seconds:  epoch_starts(timed.runs, steps_per_epoch=5)."""
+    rows = {}
+    for label, run in runs.items():
+        t_data = run.df.groupby("step")["t_data"].max() * 1e3
+        steps = t_data.index
+        later_epochs, others = (steps % steps_per_epoch == 0) & (steps > 0), steps % steps_per_epoch != 0
+        rows[label] = {"run's first step (ms)": t_data.iloc[0],
+                       "epoch's first step (ms, median)": t_data[later_epochs].median(),
+                       "other steps (ms, median)": t_data[others & (steps < steps.max())].median(),
+                       "whole run (s)": run.df.groupby("step")["t_step"].max().sum()}
+    return pd.DataFrame(rows).T
+
+
+def predicted_step(workers: int = 0, cores: int = 2, data_ms: float = 32.0, compute_ms: float = 3.0) -> dict:
+    """The simplest model of a loader: a step needs `data_ms` of sample work and `compute_ms` of compute; `workers`
+    processes prepare batches side by side, and everything shares `cores` cores:
+
+        predicted_step(workers=2, cores=2, data_ms=32, compute_ms=3) -> {"ms per step": 17.5, ...}"""
+    if workers == 0:
+        step = data_ms + compute_ms                # one process does both, one after the other
+    else:                                          # overlapped, side by side, and never below the cores' worth
+        step = max(compute_ms, data_ms / workers, (data_ms + compute_ms) / cores)
+    return {"workers": workers, "cores": cores, "ms per step": round(step, 1),
+            "ms waiting for data": round(max(0.0, step - compute_ms), 1)}
 
 
 @shown
-def plot_step_split(table: Any, *, floor_s: float | None = None, notes: Any = None, title: str | None = None) -> Any:
-    """Stacked bars, one per setting (rows of `table`: t_data, t_fwd_bwd, t_optim, t_step in seconds); a black line
-    marks the step time, a dashed one `floor_s`; `notes` (one string per row) go above the bars:
-    plot_step_split(table, floor_s=0.016, notes=[f"{u:.1f} cores busy" for u in table["cores busy"]])."""
+def plot_step_split(table: pd.DataFrame, *, floor_ms: float | None = None, notes: Any = None,
+                    title: str | None = None) -> Any:
+    """Stacked bars, one per row of a split_table (t_data_ms, t_fwd_bwd_ms, t_optim_ms, t_step_ms); a black line
+    marks the step time, a dashed one `floor_ms`; above each bar a note, by default the cores busy (and others'
+    cores when above claims.LIMIT_CORES):  plot_step_split(split_table(timed), floor_ms=16, title="...")."""
     fig = new_figure(figsize=(max(8.0, 1.1 * len(table) + 4), 4.5))
     ax = fig.subplots()
     xs, bottom = range(len(table)), [0.0] * len(table)
     names = {"t_data": "waiting for data (t_data)", "t_fwd_bwd": "forward + backward (t_fwd_bwd)",
              "t_optim": "optimizer (t_optim)"}
     for part, color in zip(PARTS, [COLORS[3], COLORS[0], COLORS[2]]):
-        heights = [1e3 * v for v in table[part]]
+        heights = list(table[f"{part}_ms"])
         ax.bar(xs, heights, bottom=bottom, color=color, label=names[part], width=0.6)
         bottom = [b + h for b, h in zip(bottom, heights)]
-    ax.hlines([1e3 * v for v in table["t_step"]], [x - 0.35 for x in xs], [x + 0.35 for x in xs], color="black",
+    ax.hlines(list(table["t_step_ms"]), [x - 0.35 for x in xs], [x + 0.35 for x in xs], color="black",
               linewidth=2, zorder=3, label="step time (t_step)")
-    for x, top, note in zip(xs, table["t_step"], notes if notes is not None else []):
-        ax.annotate(note, (x, 1e3 * top), xytext=(0, 6), textcoords="offset points", ha="center", fontsize=8)
-    if floor_s is not None:
-        ax.axhline(1e3 * floor_s, color="black", linestyle="--", linewidth=1,
-                   label=f"floor: sample work / cores = {1e3 * floor_s:.0f} ms")
+    if notes is None and "cores busy" in table:
+        notes = [f"{ours:.1f} cores busy" + (f"\n(others: {others:.1f})" if others > LIMIT_CORES else "")
+                 for ours, others in zip(table["cores busy"], table["others' cores"])]
+    for x, top, note in zip(xs, table["t_step_ms"], notes if notes is not None else []):
+        ax.annotate(note, (x, top), xytext=(0, 6), textcoords="offset points", ha="center", fontsize=8)
+    if floor_ms is not None:
+        ax.axhline(floor_ms, color="black", linestyle="--", linewidth=1,
+                   label=f"floor: sample work / cores = {floor_ms:.0f} ms")
     ax.set_xticks(list(xs), [str(i).replace(", ", "\n") for i in table.index], fontsize=9)
-    ax.set(ylabel="ms per step (mean after warm-up)", title=title or "")
+    top = max([*table["t_step_ms"], floor_ms or 0.0])
+    ax.set(ylabel="ms per step (mean after warm-up)", title=title or "", ylim=(0, 1.2 * top))   # room for notes
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig

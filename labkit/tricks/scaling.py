@@ -6,13 +6,22 @@
     scaling.linear_scaling_lr(0.1, base_batch=256, batch=8192)               # 3.2: k = 32 times the batch, 32x lr
     scaling.grad_accum_to_fit(global_batch=512, world_size=2, max_batch_per_rank=64)   # 4
 
-Pure functions of numbers: lesson 03 measures the throughputs and losses they are applied to.
+The functions above the line are pure functions of numbers; lesson 03 measures the throughputs and losses they are
+applied to. Below it, the lesson's table of a measured sweep and its figure:
+    table = scaling.sweep_table(measure.interleaved(configs, rounds=3, cores=2), cores=2)
+    scaling.plot_scaling(table, cores=2)                                      # throughput | efficiency vs ranks
 """
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from ..view import COLORS, new_figure, shown
 
 
 def global_batch(world_size: int, batch_per_rank: int, grad_accum: int = 1) -> int:
@@ -106,6 +115,75 @@ def oversubscribed(world_size: int, cores: int) -> bool:
     _check_positive_int("world_size", world_size)
     _check_positive_int("cores", cores)
     return world_size > cores
+
+
+def layout(world: int, batch_per_rank: int, grad_accum: int = 1, *, base_lr: float, base_batch: int,
+           epoch_samples: int) -> dict[str, float]:
+    """A data-parallel layout's global batch, its LR by the linear scaling rule from (base_lr, base_batch), and the
+    warmup steps that cover one epoch:  layout(8, 32, base_lr=0.03, base_batch=32, epoch_samples=1437)."""
+    batch = global_batch(world, batch_per_rank, grad_accum)
+    return {"ranks": world, "per rank": batch_per_rank, "accumulation": grad_accum, "global batch": batch,
+            "lr (linear rule)": linear_scaling_lr(base_lr, base_batch, batch),
+            "warmup steps (1 epoch)": warmup_steps_for(epoch_samples, batch)}
+
+
+# --- the lesson's table and figure ---------------------------------------------------------------------------
+
+def sweep_table(timed: Mapping[str, Any], cores: int) -> pd.DataFrame:
+    """One row per (model, batch per rank, world) of a measure.Timings of tinylm runs: samples/s and tokens/s (the
+    run's median over steps after the first), the slowest rank's forward+backward ms and all-reduced MB per step
+    (medians), the peak memory growth, the others' cores, then speedup and efficiency against world 1 of the same
+    (model, batch per rank), and how many ranks share a core:  sweep_table(timed, cores=2)."""
+    rows = []
+    for t in timed.values():
+        run, summary = t.run, t.run.summary()
+        slowest = run.slowest("t_fwd_bwd", "comm_bytes", after=1).median()
+        rows.append({"model": run.config.model_size, "batch per rank": run.config.batch_per_rank,
+                     "world": run.world_size, "samples/s": summary["median_samples_per_s"],
+                     "tokens/s": summary["median_tokens_per_s"], "fwd_bwd_ms": 1e3 * slowest["t_fwd_bwd"],
+                     "allreduce_MB": slowest["comm_bytes"] / 1e6, "peak_growth_mb": run.df["peak_growth_mb"].max(),
+                     "others' cores": t.others})
+    table = pd.DataFrame(rows).set_index(["model", "batch per rank", "world"]).sort_index()
+    for (model, batch), group in table.groupby(level=["model", "batch per rank"]):
+        per_world = group["samples/s"].droplevel(["model", "batch per rank"]).to_dict()
+        if 1 not in per_world:
+            continue                     # efficiency is relative to one rank: none without it
+        for world, eff in scaling_efficiency(per_world).items():
+            table.loc[(model, batch, world), "speedup"] = per_world[world] / per_world[1]
+            table.loc[(model, batch, world), "efficiency"] = eff
+    worlds = table.index.get_level_values("world")
+    table["global batch"] = [global_batch(w, b) for _, b, w in table.index]
+    table["ranks per core"] = [f"{w / cores:g}" + (" (oversubscribed)" if oversubscribed(w, cores) else "")
+                               for w in worlds]
+    return table
+
+
+@shown
+def plot_scaling(table: pd.DataFrame, cores: int) -> Figure:
+    """Throughput (left, dotted: N x one rank) and scaling efficiency (right) against world size, one line per
+    (model, batch per rank) of a sweep_table; world sizes above `cores` shaded:  plot_scaling(table, cores=2)."""
+    fig = new_figure(figsize=(13, 4.2))
+    ax_tp, ax_eff = fig.subplots(1, 2, sharex=True)
+    worlds = sorted(set(table.index.get_level_values("world")))
+    for color, ((size, batch), g) in zip(COLORS, table.groupby(level=["model", "batch per rank"])):
+        ranks, tp = g.index.get_level_values("world"), g["samples/s"].values
+        label = f"{size}, {batch} per rank"
+        ax_tp.plot(ranks, tp, "o-", color=color, label=label)
+        ax_tp.plot(ranks, tp[0] * np.asarray(ranks), ":", color=color, alpha=0.6)   # perfect scaling
+        ax_eff.plot(ranks, g["efficiency"].values, "o-", color=color, label=label)
+    for ax in (ax_tp, ax_eff):
+        if max(worlds) > cores:
+            ax.axvspan(cores + 0.5, max(worlds) + 0.5, color="grey", alpha=0.15,
+                       label="oversubscribed: ranks > cores")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(worlds, [str(w) for w in worlds])
+        ax.set_xlabel("world size (ranks)")
+        ax.grid(alpha=0.3)
+    ax_tp.set(title="throughput (dotted: N x one rank)", ylabel="samples / s (all ranks)", yscale="log")
+    ax_eff.set(title="scaling efficiency = throughput_N / (N x throughput_1)", ylabel="efficiency", ylim=(0, 1.1))
+    ax_eff.axhline(1.0, color="black", linewidth=0.8)
+    ax_eff.legend(fontsize=8)
+    return fig
 
 
 def _check_positive_int(name: str, value: object) -> None:
