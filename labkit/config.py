@@ -28,7 +28,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 STRATEGIES = ("ddp",)  # later lessons add "zero", "fsdp", ...
 COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd")
-FAULT_KINDS = ("raise", "segfault", "hang", "nan", "exit", "bad_batch")
+FAULT_KINDS = ("raise", "segfault", "hang", "nan", "exit", "bad_batch", "slow")
 NAN_POLICIES = ("raise", "alone", "stop", "skip", "ignore")
 
 
@@ -52,7 +52,8 @@ class Fault:
 
     kinds: "raise" (a Python exception), "segfault" (SIGSEGV), "hang" (sleep forever), "nan" (a NaN loss),
     "exit" (os._exit(3), a rank that vanishes without a traceback), "bad_batch" (that rank's batch of that step
-    is corrupted: labels shuffled, float inputs scaled up; see training/faults.py).
+    is corrupted: labels shuffled, float inputs scaled up; see training/faults.py), "slow" (a straggler: the rank
+    sleeps delay_s at the start of every step from `step` on:  Fault(kind="slow", rank=1, step=0, delay_s=0.02)).
     """
 
     kind: str
@@ -60,7 +61,9 @@ class Fault:
     rank: int
     """The rank it happens on."""
     step: int
-    """The step (0-based) at whose start it happens."""
+    """The step (0-based) at whose start it happens ("slow": from which on)."""
+    delay_s: float = 0.0
+    """"slow" only: seconds the rank loses at the start of each step (a slower GPU, a noisy neighbour)."""
 
     def problems(self, world_size: int | None = None, steps: int | None = None) -> list[str]:
         """What is wrong with this fault, as sentences (ranges are checked when world_size and steps are given)."""
@@ -73,7 +76,7 @@ class Fault:
                 out.append(f"Fault.{name} = {shown(value)}: must be an integer >= 0")
             elif size is not None and value >= size:
                 out.append(f"Fault.{name} = {value}: must be below {what} = {size}")
-        return out
+        return out + _delay_problems(self.kind, self.delay_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -307,15 +310,28 @@ RULES: dict[str, Rule] = {
 """The rule each field's value must pass (labkit.rules); faults are checked by their own shape and ranges."""
 
 FAULT_FIELDS = ("kind", "rank", "step")
+FAULT_OPTIONAL = ("delay_s",)
+
+
+def _delay_problems(kind: Any, delay: Any) -> list[str]:
+    why = number(0.0)(delay)
+    if why:
+        return [f"Fault.delay_s = {shown(delay)}: {why}"]
+    if kind == "slow" and delay == 0:
+        return ["Fault.delay_s = 0: a \"slow\" fault needs the seconds to lose per step, e.g. delay_s=0.02"]
+    if kind != "slow" and delay != 0:
+        return [f"Fault.delay_s = {delay!r}: only a \"slow\" fault has a delay (kind = {shown(kind)}); leave it 0"]
+    return []
 
 
 def _as_faults(value: Any) -> Any:
-    """A tuple of Faults from Faults or {"kind", "rank", "step"} dicts; anything else is returned unchanged."""
+    """A tuple of Faults from Faults or dicts with the keys kind, rank, step (and maybe delay_s); anything else is
+    returned unchanged."""
     if not isinstance(value, (list, tuple)):
         return value
     items = []
     for item in value:
-        if isinstance(item, dict) and set(item) == set(FAULT_FIELDS):
+        if isinstance(item, dict) and set(FAULT_FIELDS) <= set(item) <= set(FAULT_FIELDS + FAULT_OPTIONAL):
             item = Fault(**item)
         if not isinstance(item, Fault):
             return value
@@ -327,5 +343,5 @@ def _fault_shape(value: Any) -> str | None:
     if isinstance(value, tuple) and all(isinstance(f, Fault) for f in value):
         problems = [why for f in value for why in f.problems()]
         return "; ".join(problems) or None
-    return ("must be a list of Fault(kind=..., rank=..., step=...), or of dicts with exactly the keys "
-            f"{', '.join(FAULT_FIELDS)}")
+    return ("must be a list of Fault(kind=..., rank=..., step=...), or of dicts with the keys "
+            f"{', '.join(FAULT_FIELDS)} (and optionally {', '.join(FAULT_OPTIONAL)})")

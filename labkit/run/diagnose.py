@@ -5,8 +5,12 @@ Two situations:
   exit code, and tell the root cause from the consequences (a peer of a dead rank fails with
   "Connection closed by peer" a moment later: that rank is a victim, not the cause);
 - ranks stopped making progress: ask every live rank for its Python stacks (faulthandler on SIGUSR1) and
-  blame the rank stuck outside torch (a sleep, a loop, a missing collective) rather than the ranks waiting
-  inside torch for it; if all wait inside torch (mismatched or uneven collectives), blame the one furthest behind.
+  blame the rank stuck outside torch (a sleep, a loop, a lock) rather than the ranks waiting inside torch for
+  it. If all wait inside torch (mismatched or uneven collectives), group them by where they wait (step,
+  collective, and the line that called it) and blame the odd one out, the rank in the smallest group (ties:
+  the one furthest behind). With three or more ranks, a rank that called another collective, or called one
+  alone, stands out; with two, a disagreement has no majority and the report shows both sides.
+A rank killed by a signal is reported with what the C++ runtime said just before (gloo's size check, say).
 """
 from __future__ import annotations
 
@@ -14,7 +18,9 @@ import json
 import os
 import re
 import signal
+import sysconfig
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +33,7 @@ from .reaping import exit_code
 STACK_DUMP_WAIT_S = 0.5  # after asking hung ranks for their stacks, how long to wait for the dumps
 
 _TORCH_DIR = str(Path(torch.__file__).parent) + os.sep
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
 _PEER_FAILURE = re.compile(r"connection closed|connection reset|broken pipe|peer|socket|remote process|"
                            r"ProcessGroup|NCCL error|timed out", re.I)
 
@@ -59,7 +66,9 @@ def _exit_status(rank: int, proc: Any, beats: Heartbeats, run_dir: Path) -> Rank
     log = _read(run_dir / f"rank{rank}.log")
     if code < 0:
         name = signal.Signals(-code).name
-        return RankStatus(rank, "signal", step, recorded, f"{name} (signal {-code})", _fatal_part(log))
+        said = _abort_reason(log)
+        return RankStatus(rank, "signal", step, recorded, f"{name} (signal {-code})" + (f": {said}" if said else ""),
+                          _fatal_part(log))
     return RankStatus(rank, "exited", step, recorded, f"exit code {code} without a Python exception",
                       _tail(log, 40))
 
@@ -74,13 +83,14 @@ def diagnose_hang(procs: list[Any], beats: Heartbeats, run_dir: Path, timeout: f
     # Only ranks that registered the stack-dump handler may be sent SIGUSR1: it would kill the others.
     alive = [r for r, p in enumerate(procs) if exit_code(p) is None and beats.read(r)[2] >= INITIALISING]
     stacks = _dump_stacks(procs, alive, run_dir)
-    now, statuses = time.time(), []
+    now, statuses, places = time.time(), [], {}
     for rank, proc in enumerate(procs):
         beat, step, state, recorded = beats.read(rank)
         if exit_code(proc) is not None:
             statuses.append(_exit_status(rank, proc, beats, run_dir))
             continue
         path, where, stack = _main_thread_top(stacks.get(rank, ""))
+        caller, innermost = _caller(stack)
         if state < INITIALISING:
             statuses.append(RankStatus(rank, "hung", step, recorded,
                                        f"still starting after {now - beat:.1f} s (importing, before labkit's code)",
@@ -88,21 +98,47 @@ def diagnose_hang(procs: list[Any], beats: Heartbeats, run_dir: Path, timeout: f
         elif state == FINISHING:
             statuses.append(RankStatus(rank, "waiting", step, recorded, "finished; waiting for the others", stack))
         elif path.startswith(_TORCH_DIR):
+            called = f", called at {caller}" if caller else ""
+            places[rank] = (step, where, caller)
             statuses.append(RankStatus(rank, "waiting", step, recorded,
-                                       f"waiting inside torch ({where}) for {now - beat:.1f} s", stack, beat))
+                                       f"waiting inside torch ({where}){called}, for {now - beat:.1f} s", stack,
+                                       beat))
         else:
+            called = f", called at {caller}" if caller and not innermost else ""
             statuses.append(RankStatus(rank, "hung", step, recorded,
                                        f"no progress for {now - beat:.1f} s (timeout {timeout:g} s), "
-                                       f"in {where or 'unknown code'}", stack, beat))
+                                       f"in {where or 'unknown code'}{called}", stack, beat))
     stuck = [s for s in statuses if s.state == "hung"]
-    if not stuck:  # everyone waits inside torch: blame the rank furthest behind
-        stuck = [s for s in statuses if s.state == "waiting" and "finished" not in s.detail] or statuses
-    cause = min(stuck, key=lambda s: (s.step, s.time))
+    cause = min(stuck, key=lambda s: (s.step, s.time)) if stuck else _odd_one_out(statuses, places)
     if cause.state == "waiting":
         cause.detail = (f"no progress for {time.time() - cause.time:.1f} s (timeout {timeout:g} s); "
-                        + cause.detail + "; its peers never joined that collective")
+                        + cause.detail + _why_this_one(cause, statuses, places))
     cause.state = "hung"
     return RankFailure(cause, statuses, run_dir)
+
+
+def _odd_one_out(statuses: list[RankStatus], places: dict[int, tuple]) -> RankStatus:
+    """Everyone waits inside torch: the rank alone in its place (smallest group), then the one furthest behind."""
+    waiting = [s for s in statuses if s.rank in places] or statuses
+    sizes = Counter(places.get(s.rank) for s in waiting)
+    return min(waiting, key=lambda s: (sizes[places.get(s.rank)], s.step, s.time))
+
+
+def _why_this_one(cause: RankStatus, statuses: list[RankStatus], places: dict[int, tuple]) -> str:
+    """Why the report blames a rank that waits inside torch like the others: where the others are."""
+    groups: dict[tuple, list[int]] = {}
+    for s in statuses:
+        if s.rank in places and places[s.rank] != places[cause.rank]:
+            groups.setdefault(places[s.rank], []).append(s.rank)
+    if not groups:
+        return "; its peers never joined that collective"
+    seen = "; ".join(f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))} at step {step} in {where}"
+                     + (f" called at {caller}" if caller else "") for (step, where, caller), ranks in groups.items())
+    alone = sum(place == places[cause.rank] for place in places.values())
+    if alone < min(len(ranks) for ranks in groups.values()):
+        return f"; the ranks wait in different places ({seen}): this rank is the odd one out"
+    return (f"; the ranks wait in different places ({seen}), split with no odd one out: this is the one furthest "
+            "behind (or the first to stop); compare the places")
 
 
 def _dump_stacks(procs: list[Any], ranks: list[int], run_dir: Path) -> dict[int, str]:
@@ -138,6 +174,27 @@ def _main_thread_top(dump: str) -> tuple[str, str, str]:
                 mine = block[:block.index("in rank_main") + len("in rank_main")]
                 return path, f"{_short(path)}:{line} in {func}", mine.strip()
     return "", "", dump.strip()
+
+
+def _caller(stack: str) -> tuple[str, bool]:
+    """("file:line in function" of the innermost frame outside torch and Python's standard library, whether that
+    is the innermost frame of all): the line of the rank's own code that called into torch or the library."""
+    frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', stack)
+    for i, (path, line, func) in enumerate(frames):
+        if not (path.startswith(_TORCH_DIR) or _in_stdlib(path)):
+            return f"{Path(path).name}:{line} in {func}", i == 0
+    return "", False
+
+
+def _in_stdlib(path: str) -> bool:
+    # Packages installed without a virtualenv live under the standard library's folder; they are not it.
+    return path.startswith(_STDLIB_DIR) and not any(d in path for d in ("site-packages", "dist-packages"))
+
+
+def _abort_reason(log: str) -> str:
+    """What the C++ runtime printed before it aborted the process (std::terminate's what(): line), if anything."""
+    said = re.findall(r"what\(\):\s*(.+)", log[:max(log.rfind("Fatal Python error"), 0)])
+    return re.sub(r"^\[[^\]]*\]\s*", "", said[-1]).strip() if said else ""
 
 
 def _fatal_part(log: str) -> str:

@@ -2,6 +2,8 @@
 
     cfg = RunConfig(world_size=2, steps=10, faults=(Fault(kind="segfault", rank=1, step=3),))
     labkit.launch(cfg)   # -> RankFailure: rank 1 was killed by a signal at step 3: SIGSEGV
+    slow = RunConfig(world_size=2, steps=10, faults=(Fault(kind="slow", rank=1, step=0, delay_s=0.02),))
+    labkit.launch(slow)  # finishes; rank 1 is a straggler (labkit.tricks.monitor.stragglers names it)
 
     cfg = RunConfig(task="digits", faults=(Fault(kind="bad_batch", rank=1, step=5),))   # corrupt_batch
     labkit.launch(cfg)   # rank 1's step-5 batch has shuffled labels and inputs 1000x too large; the run goes on
@@ -29,7 +31,8 @@ def _matching(faults: Iterable[Fault], kind: str, rank: int, step: int) -> bool:
 
 
 def inject(faults: Iterable[Fault], rank: int, step: int) -> None:
-    """Carry out any raise / segfault / hang / exit fault scheduled for this rank at the start of this step."""
+    """Carry out any raise / segfault / hang / exit fault scheduled for this rank at the start of this step, and
+    lose the delay of any "slow" fault on this rank that has begun."""
     faults = tuple(faults)
     if not faults:
         return
@@ -42,6 +45,9 @@ def inject(faults: Iterable[Fault], rank: int, step: int) -> None:
     if _matching(faults, "hang", rank, step):
         while True:  # a rank stuck in its own code; the others will wait for it in the next collective
             time.sleep(3600)
+    delay = sum(f.delay_s for f in faults if f.kind == "slow" and f.rank == rank and step >= f.step)
+    if delay:
+        time.sleep(delay)  # a straggler: the others wait for it in this step's all-reduce
 
 
 def nan_factor(faults: Iterable[Fault], rank: int, step: int) -> float:

@@ -10,6 +10,9 @@
     sharding.py    data sharding: DistributedSampler's traps, Join                 (lesson 07)
     stability.py   loss spikes and NaNs: what each rank saw, nan_policy, clipping  (lesson 09)
     schedules.py   LR schedules: recorded vs the schedule, ranks' agreement, warmup (lesson 10)
+    monitor.py     every rank's TensorBoard events in one table, stragglers, nodes (lesson 11)
+    hangs.py       hangs reproduced: the wrong collective, order, shape, a stuck rank (lesson 12)
+    debugtools.py  flight-recorder dumps, DETAIL fingerprints, py-spy from outside  (lesson 12)
     memory.py      ZeRO's model-state formulas (also labkit.memory)                (lesson 14)
     exercises/     build DDP and ZeRO yourself: references, checkers on real ranks (lessons 16, 17)
 

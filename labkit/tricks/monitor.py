@@ -1,0 +1,239 @@
+"""See every rank: its TensorBoard events read back into one table, per-rank views, and who the straggler is.
+
+    from labkit.tricks import monitor
+    table = monitor.read_tensorboard(run)   # one row per (rank, step), one column per scalar, from runs/<id>/tb/
+    monitor.per_rank(table)                 # medians per rank: step time, data wait, wait in the all-reduce, ...
+    monitor.rank_panels(table)              # step time | data wait | loss | grad norm | memory: a line per rank
+    monitor.stragglers(run)                 # [] or [Straggler(rank=1, extra_s=0.021, ...)]
+    monitor.tensorboard_command([run])      # the shell command that serves these runs on 127.0.0.1
+    monitor.clock_offsets(table)            # each rank's clock minus rank 0's, from steps they ended together
+    run, cmd = monitor.launch_as_nodes(cfg, "runs/job1")   # torchrun as two "nodes" writing one run dir
+
+Why compute and wait: a synchronous step ends for every rank when its all-reduce ends, and that is when the last
+rank arrives. So every rank's step time grows with a straggler; what tells them apart is where the time went.
+labkit's loop times forward+backward with DDP's gradient all-reduce inside it (t_fwd_bwd), so per step:
+    wait_r    = t_fwd_bwd_r - min over ranks of t_fwd_bwd   (the rank that arrived last did not wait)
+    compute_r = t_step_r - wait_r                           (everything the rank did on its own)
+The straggler's compute grows; the others' wait grows by as much. A slowdown *inside* backward hides from this
+split (everyone's t_fwd_bwd then ends together): timing the collective itself (the profiler, NCCL's flight
+recorder) is the tool for that.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import pandas as pd
+from matplotlib.figure import Figure
+
+from ..config import RunConfig
+from ..records import Run
+from ..view import COLORS, in_notebook, new_figure, shown
+
+PANELS = (("t_step", "step time (ms)", 1000.0), ("t_data", "data wait (ms)", 1000.0), ("loss", "loss", 1.0),
+          ("grad_norm", "grad norm", 1.0), ("rss_mb", "resident memory (MB)", 1.0))
+
+
+def read_tensorboard(run: Run | str | Path) -> pd.DataFrame:
+    """Every scalar of every rank's event files (runs/<id>/tb/rank<r>/), read with TensorBoard's own reader:
+    one row per (rank, step), one column per tag, plus wall_time (seconds, from the events)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tb = _run_path(run) / "tb"
+    rows = []
+    for folder in sorted(tb.glob("rank*"), key=lambda p: int(p.name[4:])):
+        events = EventAccumulator(str(folder), size_guidance={"scalars": 0})  # 0: keep every event, not a sample
+        events.Reload()
+        for tag in events.Tags()["scalars"]:
+            rows += [(int(folder.name[4:]), tag, e.step, e.value, e.wall_time) for e in events.Scalars(tag)]
+    if not rows:
+        raise FileNotFoundError(f"no TensorBoard events under {tb}: was the run launched with "
+                                "RunConfig(tensorboard=True) (the default), and has it ended?")
+    long = pd.DataFrame(rows, columns=["rank", "tag", "step", "value", "wall_time"])
+    table = long.pivot_table(index=["rank", "step"], columns="tag", values="value", aggfunc="last")
+    table["wall_time"] = long.groupby(["rank", "step"])["wall_time"].max()
+    return table.reset_index().rename_axis(columns=None)
+
+
+def compute_and_wait(table: pd.DataFrame) -> pd.DataFrame:
+    """Per (rank, step): t_step, wait (time in the all-reduce beyond the last arrival's) and compute (the rest)."""
+    missing = [c for c in ("rank", "step", "t_step", "t_fwd_bwd") if c not in table]
+    if missing:
+        raise KeyError(f"compute_and_wait needs {missing}; labkit's training loop records them (this table has "
+                       f"{sorted(table.columns)})")
+    out = table[["rank", "step", "t_step", "t_fwd_bwd"]].copy()
+    out["wait"] = out["t_fwd_bwd"] - out.groupby("step")["t_fwd_bwd"].transform("min")
+    out["compute"] = out["t_step"] - out["wait"]
+    return out
+
+
+def per_rank(table: pd.DataFrame, after: int = 2) -> pd.DataFrame:
+    """One row per rank, from step `after` on: median step time, data wait, all-reduce wait and compute (seconds),
+    last loss, median grad norm, peak resident memory."""
+    table = table[table["step"] >= after]
+    split = compute_and_wait(table).groupby("rank")
+    out = pd.DataFrame({"t_step": split["t_step"].median(), "t_data": table.groupby("rank")["t_data"].median(),
+                        "wait": split["wait"].median(), "compute": split["compute"].median()})
+    by_rank = table.sort_values("step").groupby("rank")
+    for column, how in (("loss", "last"), ("grad_norm", "median"), ("rss_mb", "max")):
+        if column in table:
+            out[column] = getattr(by_rank[column], how)()
+    return out
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A rank the others waited for: its compute per step exceeds theirs by extra_s, and they waited others_wait_s."""
+
+    rank: int
+    extra_s: float          # its median compute minus the other ranks' median compute, per step
+    share: float            # extra_s as a fraction of the others' compute
+    others_wait_s: float    # the other ranks' median wait in the all-reduce, per step
+    own_wait_s: float       # its own median wait (near zero: it arrives last)
+
+
+def stragglers(source: Run | pd.DataFrame, *, after: int = 2, min_share: float = 0.2) -> list[Straggler]:
+    """The ranks the others waited for, slowest first; [] when no rank stands out:  monitor.stragglers(run).
+
+    A rank is named when its median compute per step exceeds the other ranks' median by more than min_share of
+    theirs, AND the others spent at least half that excess waiting in the all-reduce while it waited less than
+    them: a slow rank that nobody waits for (there is no such thing in synchronous DDP) is not named."""
+    table = source.df if isinstance(source, Run) else source
+    medians = compute_and_wait(table[table["step"] >= after]).groupby("rank")[["compute", "wait"]].median()
+    found = []
+    for rank in medians.index:
+        others = medians.drop(rank)
+        if others.empty:
+            continue
+        base, waited = others["compute"].median(), others["wait"].median()
+        extra = medians.loc[rank, "compute"] - base
+        if extra > min_share * base and waited > extra / 2 and medians.loc[rank, "wait"] < waited:
+            found.append(Straggler(int(rank), float(extra), float(extra / base), float(waited),
+                                   float(medians.loc[rank, "wait"])))
+    return sorted(found, key=lambda s: -s.extra_s)
+
+
+def clock_offsets(table: pd.DataFrame, after: int = 2) -> pd.Series:
+    """Each rank's clock minus rank 0's, estimated from when they recorded the same steps (seconds).
+
+    Every rank leaves a step's all-reduce at the same moment, so on one clock the ranks record a step within a
+    fraction of a step time of each other; a steady difference is the nodes' clocks disagreeing. Plot against
+    the step, which every rank counts alike, not against wall time."""
+    times = table[table["step"] >= after].pivot_table(index="step", columns="rank", values="wall_time")
+    return times.sub(times[times.columns[0]], axis=0).median().rename("clock_offset_s")
+
+
+def launch_as_nodes(config: RunConfig, run_dir: Path, *, nodes: int = 2, timeout: float = 180.0) -> tuple[Run, str]:
+    """Run `config` under torchrun as `nodes` nodes of one process each, all on this machine and writing to one
+    run_dir (what a shared filesystem gives a real cluster). Returns the Run and node 0's command line."""
+    import subprocess
+    import sys
+    import tempfile
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = config.replace(world_size=nodes)
+    config.save(run_dir / "job.json")
+    port, scratch = free_port(), tempfile.mkdtemp(prefix="torchrun-", dir=run_dir)
+    commands = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(n),
+                 "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                 "-m", "labkit", "run", str(run_dir / "job.json"), "--run-dir", str(run_dir)] for n in range(nodes)]
+    env = {**os.environ, "TMPDIR": scratch, "OMP_NUM_THREADS": "1"}  # torchelastic's files stay with the run
+    # Each agent leads its own process group, so that a stuck job is stopped with its ranks, not just its agent.
+    agents = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True) for c in commands]
+    try:
+        outputs = [a.communicate(timeout=timeout)[0] for a in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+    failed = [(n, a.returncode, out[-2000:]) for n, (a, out) in enumerate(zip(agents, outputs)) if a.returncode]
+    if failed:
+        raise RuntimeError(f"torchrun node(s) failed: {failed}")
+    return Run(run_dir), " ".join(["torchrun"] + commands[0][3:])
+
+
+@shown
+def rank_panels(table: pd.DataFrame, title: str = "") -> Figure:
+    """Step time | data wait | loss | grad norm | memory against the step, one line per rank."""
+    panels = [p for p in PANELS if p[0] in table]
+    fig = new_figure(figsize=(3.2 * len(panels), 3.2))
+    for ax, (column, label, scale) in zip(fig.subplots(1, len(panels), sharex=True), panels):
+        for rank, rows in table.groupby("rank"):
+            ax.plot(rows["step"], rows[column] * scale, color=COLORS[int(rank) % len(COLORS)], label=f"rank {rank}")
+        ax.set(title=label, xlabel="step")
+    fig.axes[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+@shown
+def time_vs_step(table: pd.DataFrame, column: str = "loss", title: str = "") -> Figure:
+    """`column` per rank against wall time (seconds after the earliest event) and against the step, side by side:
+    with clocks that disagree the left panel pulls the ranks apart, the right one does not."""
+    fig = new_figure(figsize=(10, 3.4))
+    by_time, by_step = fig.subplots(1, 2, sharey=True)
+    start = table["wall_time"].min()
+    for rank, rows in table.groupby("rank"):
+        color = COLORS[int(rank) % len(COLORS)]
+        by_time.plot(rows["wall_time"] - start, rows[column], ".-", color=color, label=f"rank {rank}")
+        by_step.plot(rows["step"], rows[column], ".-", color=color, label=f"rank {rank}")
+    by_time.set(xlabel="wall time of the record (s)", ylabel=column, title="x = each node's clock")
+    by_step.set(xlabel="step", title="x = step")
+    by_time.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+@shown
+def compute_wait_bars(runs: dict[str, Run | pd.DataFrame], after: int = 2) -> Figure:
+    """Per run (a panel each), per rank: median compute and all-reduce wait per step, stacked (= step time)."""
+    fig = new_figure(figsize=(4.2 * len(runs), 3.4))
+    axes = fig.subplots(1, len(runs), sharey=True, squeeze=False)[0]
+    for ax, (label, source) in zip(axes, runs.items()):
+        table = source.df if isinstance(source, Run) else source
+        medians = compute_and_wait(table[table["step"] >= after]).groupby("rank")[["compute", "wait"]].median()
+        ranks = [f"rank {r}" for r in medians.index]
+        ax.bar(ranks, medians["compute"] * 1000, color=COLORS[0], label="compute (its own work)")
+        ax.bar(ranks, medians["wait"] * 1000, bottom=medians["compute"] * 1000, color=COLORS[3],
+               label="wait in the all-reduce")
+        ax.set(title=label, ylabel="ms per step (median)")
+    axes[0].legend(fontsize=8)
+    return fig
+
+
+def tensorboard_command(runs: Sequence[Run], port: int | None = None) -> tuple[str, int]:
+    """(the command that serves these runs' events on 127.0.0.1, the free port it names)."""
+    port = port or free_port()
+    spec = ",".join(f"{_tb_name(r)}:{r.path / 'tb'}" for r in runs)
+    return f"tensorboard --logdir_spec {spec} --host 127.0.0.1 --port {port}", port
+
+
+def someone_is_watching() -> bool:
+    """True in a notebook that a person's frontend runs (JupyterLab, VS Code); False in scripts and headless
+    runners (nbmake, nbconvert), where an embedded TensorBoard would only leave a server behind. Frontends a
+    person uses allow input() on each cell; nbclient, under nbmake and nbconvert, runs cells with input refused."""
+    if not in_notebook():
+        return False
+    from IPython import get_ipython
+    return bool(getattr(get_ipython().kernel, "_allow_stdin", False))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tb_name(run: Run) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in run.name)
+
+
+def _run_path(run: Run | str | Path) -> Path:
+    return run.path if isinstance(run, Run) else Path(run)

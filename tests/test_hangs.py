@@ -1,0 +1,157 @@
+"""Lesson 12's hangs: each kind is reported in time, naming the rank that diverged and the line, with nothing left
+running; the fixes finish; the debugging tools say what the lesson says they say."""
+import functools
+import re
+
+import pandas as pd
+import pytest
+
+import labkit
+from labkit.tricks import debugtools, hangs
+from .conftest import leftover_processes
+
+TIMEOUT = 2.0
+DIVERGING = {"rank0_only": 0, "order": 1, "shape": 1, "loop": 1, "lock": 1}
+
+
+def points_at_the_bug(failure, kind) -> bool:
+    """The report names the marked line: as the caller of the collective, or in the stack it shows."""
+    name, line = hangs.bug_line(kind).split(":")
+    return f"{name}:{line}" in failure.detail or f'{name}", line {line} in' in failure.traceback
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm(tmp_path_factory):
+    hangs.reproduce("order", fixed=True, runs_root=tmp_path_factory.mktemp("warm"))  # one-off imports, off the clock
+
+
+@pytest.mark.parametrize("kind", list(hangs.KINDS))
+def test_each_hang_is_reported_in_time_naming_the_diverging_rank_and_line(kind, runs_root, no_leftovers):
+    out = hangs.reproduce(kind, timeout=TIMEOUT, runs_root=runs_root)
+    failure = out.failure
+    assert failure is not None, f"{kind} finished"
+    assert out.seconds < TIMEOUT + 5
+    assert failure.rank == DIVERGING[kind] and failure.step == hangs.AT, str(failure)
+    assert points_at_the_bug(failure, kind), str(failure)
+    assert not leftover_processes()
+
+
+@pytest.mark.parametrize("kind", list(hangs.KINDS))
+def test_each_fix_runs_to_the_end(kind, runs_root, no_leftovers):
+    out = hangs.reproduce(kind, fixed=True, timeout=10, runs_root=runs_root)
+    assert out.finished, str(out.failure)
+    assert out.run.df.groupby("rank")["step"].max().tolist() == [hangs.STEPS - 1] * 3
+
+
+def test_the_watchdog_says_which_collective_each_rank_waits_in(runs_root):
+    failure = hangs.reproduce("rank0_only", timeout=TIMEOUT, runs_root=runs_root).failure
+    states = {s.rank: s for s in failure.statuses}
+    assert "in all_reduce" in failure.detail and "odd one out" in failure.detail
+    assert all(states[r].state == "waiting" and "in barrier" in states[r].detail for r in (1, 2))
+
+
+def test_with_two_ranks_a_disagreement_is_reported_without_an_odd_one_out(runs_root, no_leftovers):
+    failure = hangs.reproduce("order", world_size=2, timeout=TIMEOUT, runs_root=runs_root).failure
+    assert failure.reason == "hung" and "no odd one out" in failure.detail, str(failure)
+    assert {s.rank: s.state for s in failure.statuses} in ({0: "hung", 1: "waiting"}, {0: "waiting", 1: "hung"})
+
+
+def test_gloo_aborts_the_rank_whose_tensor_is_short_and_the_report_says_why(runs_root):
+    failure = hangs.reproduce("shape", timeout=TIMEOUT, runs_root=runs_root).failure
+    assert failure.reason == "signal" and "SIGABRT" in failure.detail
+    assert "Received data size doesn't match expected size" in failure.detail
+    assert all(s.because_of == 1 for s in failure.statuses if s.rank != 1)
+
+
+@pytest.mark.parametrize("kind", ["rank0_only", "order", "loop", "lock"])
+def test_the_flight_recorder_finds_the_first_collective_the_ranks_disagree_on(kind, runs_root):
+    out = hangs.reproduce(kind, timeout=TIMEOUT, debug=hangs.Debug(flight_recorder=True), runs_root=runs_root)
+    records = debugtools.flight_records(out.run)
+    assert sorted(records["rank"].unique()) == [0, 1, 2]  # every rank dumped while it hung
+    divergence = debugtools.first_divergence(records)
+    assert divergence is not None and divergence.odd == [DIVERGING[kind]], records.to_string()
+    assert (divergence.places["op"] == "(not issued)").any() == (kind in ("loop", "lock"))
+
+
+def test_the_flight_recorder_cannot_speak_for_a_rank_that_died(runs_root):
+    out = hangs.reproduce("shape", timeout=TIMEOUT, debug=hangs.Debug(flight_recorder=True), runs_root=runs_root)
+    records = debugtools.flight_records(out.run)
+    assert 1 not in set(records["rank"]) and debugtools.first_divergence(records) is None
+
+
+@pytest.mark.parametrize("kind, op", [("rank0_only", "ALLREDUCE"), ("order", "BROADCAST"), ("shape", "ALLREDUCE")])
+def test_detail_stops_every_rank_at_the_mismatch_and_names_each_ranks_collective(kind, op, runs_root, no_leftovers):
+    out = hangs.reproduce(kind, timeout=TIMEOUT, debug=hangs.Debug(level="DETAIL"), runs_root=runs_root)
+    assert out.seconds < TIMEOUT + 5 and out.failure.reason == "raised"
+    prints = debugtools.fingerprints(out.failure)
+    assert sorted(prints["rank"]) == [0, 1, 2], str(out.failure)
+    keys = {row.rank: (row.op, row.shape) for row in prints.itertuples()}
+    assert debugtools.odd_ranks(keys) == [DIVERGING[kind]] and keys[DIVERGING[kind]][0] == op
+
+
+@pytest.mark.parametrize("kind", ["loop", "lock"])
+def test_monitored_barrier_names_the_rank_stuck_in_python_before_the_watchdog(kind, runs_root, no_leftovers):
+    out = hangs.reproduce(kind, timeout=10, debug=hangs.Debug(barrier_s=1.0), runs_root=runs_root)
+    assert out.seconds < 1.0 + 5 and out.failure.rank == 0 and out.failure.reason == "raised"
+    assert re.search(r"Ranks 1 failed to pass monitoredBarrier", out.failure.detail), str(out.failure)
+
+
+def test_monitored_barrier_cannot_see_ranks_that_are_inside_different_collectives(runs_root, no_leftovers):
+    out = hangs.reproduce("order", timeout=TIMEOUT, debug=hangs.Debug(barrier_s=1.0), runs_root=runs_root)
+    assert out.failure.reason == "hung" and out.failure.rank == 1  # the watchdog, not the barrier, ended it
+
+
+@pytest.mark.skipif(debugtools.py_spy() is None, reason="py-spy is not installed")
+def test_py_spy_dumps_the_stuck_rank_from_outside(runs_root, no_leftovers):
+    with debugtools.SpyOnHang(after_s=0.8, runs_root=runs_root) as spy:
+        hangs.reproduce("lock", timeout=4, runs_root=runs_root)
+    if spy.problem.startswith("py-spy could not read"):
+        pytest.skip(spy.problem)  # ptrace not permitted here
+    assert sorted(spy.dumps) == [0, 1, 2], spy.problem
+    assert "_write_line (labkit/tricks/hangs.py" in spy.dumps[1] and "all_reduce" in spy.dumps[0]
+
+
+def test_odd_ranks_is_the_strictly_rarest_group():
+    assert debugtools.odd_ranks({0: "a", 1: "b", 2: "a"}) == [1]
+    assert debugtools.odd_ranks({0: "a", 1: "b"}) == []
+    assert debugtools.odd_ranks({0: "a", 1: "a"}) == []
+    assert debugtools.odd_ranks({0: "a", 1: "b", 2: "b", 3: "c", 4: "c"}) == [0]
+
+
+def test_first_divergence_reports_a_missing_collective_and_agreement_as_none():
+    rows = [(r, "pg", s, "all_reduce", "[[4]]", "Float", True, "x.py:1 in f") for r in range(3) for s in (1, 2)]
+    records = pd.DataFrame(rows, columns=["rank", "group", "seq", "op", "sizes", "dtypes", "done", "line"])
+    assert debugtools.first_divergence(records) is None
+    cut = records[~((records["rank"] == 2) & (records["seq"] == 2))]
+    found = debugtools.first_divergence(cut)
+    assert (found.seq, found.odd) == (2, [2]) and found.places.set_index("rank").loc[2, "op"] == "(not issued)"
+
+
+def test_bug_lines_point_at_the_marked_lines():
+    for kind in hangs.KINDS:
+        name, line = hangs.bug_line(kind).split(":")
+        source = open(hangs.__file__).read().splitlines()
+        assert name == "hangs.py" and hangs.MARK in source[int(line) - 1]
+
+
+def test_detail_cannot_check_a_collective_a_rank_never_reaches(runs_root, no_leftovers):
+    out = hangs.reproduce("loop", timeout=TIMEOUT, debug=hangs.Debug(level="DETAIL"), runs_root=runs_root)
+    assert out.failure.reason == "hung" and out.failure.rank == 1 and debugtools.fingerprints(out.failure).empty
+
+
+@pytest.mark.parametrize("level", ["OFF", "INFO"])
+def test_info_names_the_parameters_ddp_never_saw_a_gradient_for(level, runs_root, no_leftovers):
+    with pytest.raises(labkit.RankFailure) as info:
+        labkit.launch(functools.partial(hangs.ddp_under_debug, level=level, unused=True), world_size=2,
+                      timeout=20, runs_root=runs_root, echo=False)
+    assert "Parameter indices which did not receive grad" in info.value.detail
+    named = "Parameters which did not receive grad for rank" in info.value.detail
+    assert named == (level == "INFO") and (not named or "skipped.weight" in info.value.detail)
+
+
+def test_detail_crashes_ddp_in_a_rank_and_the_report_says_so(runs_root, no_leftovers):
+    with pytest.raises(labkit.RankFailure) as info:
+        labkit.launch(functools.partial(hangs.ddp_under_debug, level="DETAIL"), world_size=2, timeout=20,
+                      runs_root=runs_root, echo=False)
+    assert info.value.reason == "signal" and "SIGSEGV" in info.value.detail
+    assert "distributed.py" in info.value.traceback and "__init__" in info.value.traceback
