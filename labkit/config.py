@@ -287,8 +287,30 @@ class RunConfig:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
 
     @classmethod
-    def load(cls, path: Path) -> "RunConfig":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+    def load(cls, path: Path, *, recorded: bool = False) -> "RunConfig":
+        """Read a config file. recorded=True reads one that a run wrote, perhaps with an older labkit: renamed
+        fields are carried over and fields this version no longer has are dropped, with a warning."""
+        data = json.loads(Path(path).read_text())
+        return cls.from_dict(_upgraded(data, path) if recorded else data)
+
+
+# Fields that older labkits wrote under another name: old name -> (new name, how an old value maps to a new one).
+RENAMED = {"stop_on_nan": ("nan_policy", lambda stop: "raise" if stop else "ignore")}
+
+
+def _upgraded(data: dict[str, Any], source: Any) -> dict[str, Any]:
+    """A recorded config in this version's fields (see RunConfig.load(recorded=True))."""
+    import warnings
+    data = dict(data)
+    for old, (new, convert) in RENAMED.items():
+        if old in data:
+            value = data.pop(old)
+            data.setdefault(new, convert(value))
+    known = {f.name for f in dataclasses.fields(RunConfig)}
+    dropped = sorted(set(data) - known)
+    if dropped:
+        warnings.warn(f"{source}: written by another labkit version; ignoring fields {dropped}", stacklevel=3)
+    return {k: v for k, v in data.items() if k in known}
 
 
 RULES: dict[str, Rule] = {

@@ -105,7 +105,7 @@ class Run:
     def config(self):
         from .config import RunConfig
         path = self.path / "config.json"
-        return RunConfig.load(path) if path.exists() else None
+        return RunConfig.load(path, recorded=True) if path.exists() else None
 
     @property
     def name(self) -> str:

@@ -161,3 +161,15 @@ def test_the_wrong_types_a_user_met_are_named(changes):
     field = next(iter(changes))
     with pytest.raises(ConfigError, match=rf"RunConfig\.{field}"):
         RunConfig.from_dict(changes) if field == "faults" else RunConfig(**changes)
+
+
+def test_a_config_recorded_by_an_older_labkit_still_loads(tmp_path):
+    old = RunConfig(world_size=2).to_dict()
+    old.pop("nan_policy")
+    old.update(stop_on_nan=False, retired_field=3)
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    with pytest.warns(UserWarning, match="retired_field"):
+        cfg = RunConfig.load(tmp_path / "config.json", recorded=True)
+    assert cfg.nan_policy == "ignore" and cfg.world_size == 2
+    with pytest.raises(ConfigError, match="retired_field"):
+        RunConfig.load(tmp_path / "config.json")  # a config a person wrote: an unknown field is a mistake

@@ -13,12 +13,13 @@ from __future__ import annotations
 from typing import Sequence
 
 from matplotlib.figure import Figure
-from matplotlib.ticker import ScalarFormatter
+from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
 from ..records import Run
 from .show import new_figure, shown
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+LR_STYLES = ["-", (0, (5, 3)), (0, (1, 2)), (0, (6, 2, 1, 2))]
 
 
 @shown
@@ -39,7 +40,7 @@ def compare_figure(runs: Sequence[Run], *, x: str = "step", labels: Sequence[str
     fig = new_figure(figsize=(15, 4.2))
     ax_tp, ax_loss, ax_lr = fig.subplots(1, 3, sharex=True)
     labels = list(labels) if labels is not None else [r.name for r in runs]
-    for run, label, color in zip(runs, labels, COLORS * 4):
+    for i, (run, label, color) in enumerate(zip(runs, labels, COLORS * 4)):
         steps = run.steps(run.read_records())
         if steps.empty:
             continue
@@ -52,8 +53,9 @@ def compare_figure(runs: Sequence[Run], *, x: str = "step", labels: Sequence[str
             ax_tp.plot(xs, throughput, color=color, label=label)
         ax_loss.plot(xs, steps["loss"], color=color, label=label)
         ax_loss.fill_between(xs, steps["loss_min"], steps["loss_max"], color=color, alpha=0.2, linewidth=0)
-        if "lr" in steps:
-            ax_lr.plot(xs, steps["lr"], color=color, label=label)
+        if "lr" in steps:  # runs often share a schedule: dashes keep a line visible under the one drawn after it
+            ax_lr.plot(xs, steps["lr"], color=color, label=label, linestyle=LR_STYLES[i % len(LR_STYLES)],
+                       linewidth=1.5 + 0.5 * (len(runs) - 1 - i))
     floor = _shared_floor(runs)
     if floor is not None:
         ax_loss.axhline(floor, color="black", linestyle="--", linewidth=1, label=f"loss floor {floor:.3f}")
@@ -65,6 +67,7 @@ def compare_figure(runs: Sequence[Run], *, x: str = "step", labels: Sequence[str
     _readable_lr_axis(ax_lr)
     for ax in (ax_tp, ax_loss, ax_lr):
         ax.set_xlabel("global samples seen" if x == "samples" else "step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and samples are whole numbers
         ax.grid(alpha=0.3)
     ax_loss.legend(fontsize=8)
     if title:
