@@ -23,6 +23,7 @@ import torch
 from matplotlib.figure import Figure
 
 from ..config import RunConfig
+from ..measure import CpuMeter, pinned_to
 from ..records import Run
 from ..training.tasks import make_task
 from ..view import COLORS, new_figure, shown
@@ -127,6 +128,16 @@ def autocast_speed(config: RunConfig, batch_size: int = 16, repeats: int = 9) ->
     speed["matmul vs fp32"] = speed.iloc[:, 0] / mm["fp32"]
     speed["model vs fp32"] = speed.iloc[:, 1] / model_ms["fp32"]
     return speed
+
+
+def metered_autocast_speed(config: RunConfig, batch_size: int = 16) -> tuple[pd.DataFrame, float]:
+    """autocast_speed on one pinned core, and the cores other programs kept busy there meanwhile (what a gated speed
+    claim needs):  speed, others = metered_autocast_speed(cfg)."""
+    with pinned_to(1), CpuMeter() as meter:
+        started = time.time()
+        speed = autocast_speed(config, batch_size)
+        ended = time.time()
+    return speed, meter.cores_busy(started, ended)[1]
 
 
 def run_table(runs: Mapping[str, Run], warm: int = WARM) -> pd.DataFrame:
