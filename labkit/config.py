@@ -26,7 +26,9 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "linear", "cosine")
 PRECISIONS = ("fp32", "bf16", "fp16")
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
-STRATEGIES = ("ddp",)  # later lessons add "zero", "fsdp", ...
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "tp", "fsdp+tp")  # labkit/training/strategies.py says what each is
+TP_STRATEGIES = ("tp", "fsdp+tp")
+TP_DEGREES = (1, 2, 4)  # divide the attention heads of every tinylm size (4, 4, 8)
 COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd")
 FAULT_KINDS = ("raise", "segfault", "hang", "nan", "exit")
 
@@ -117,7 +119,10 @@ class RunConfig:
     backend: str = "auto"
     """"auto" picks nccl when CUDA is available for every rank, else gloo."""
     strategy: str = "ddp"
-    """How the model is distributed."""
+    """How the model is spread over the ranks: "ddp" (every rank holds everything), "zero1" (optimizer state
+    sharded: ZeroRedundancyOptimizer), "zero2" (and gradients: FSDP2 without resharding after forward), "fsdp"
+    (and parameters: FSDP2, ZeRO-3), "tp" (each block's matrices split over all ranks; tinylm), "fsdp+tp"
+    (a 2-D mesh: world_size/2 FSDP ranks x 2 tensor-parallel; tinylm, world_size 4, 6, ...). See parallel_dims."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size."""
     comm_hook: str = "allreduce"
@@ -175,6 +180,12 @@ class RunConfig:
         return self.global_batch // (self.world_size * self.grad_accum)
 
     @property
+    def parallel_dims(self) -> tuple[int, int]:
+        """(data-parallel ranks, tensor-parallel ranks); their product is world_size:  (2, 2) for "fsdp+tp" on 4."""
+        tp = {"tp": self.world_size, "fsdp+tp": 2}.get(self.strategy, 1)
+        return self.world_size // tp, tp
+
+    @property
     def loss_floor(self) -> float | None:
         """The lowest loss any model can reach on this task, when it is known: ln(branching) for tinylm."""
         return math.log(self.branching) if self.task == "tinylm" else None
@@ -206,6 +217,7 @@ class RunConfig:
             out.append(f"RunConfig.branching = {self.branching}: must be at most RunConfig.vocab_size = "
                        f"{self.vocab_size}")
         out += self._batch_problems()
+        out += self._strategy_problems()
         for i, fault in enumerate(self.faults):
             out += [f"RunConfig.faults[{i}]: {why} (RunConfig.world_size = {self.world_size}, RunConfig.steps = "
                     f"{self.steps})" for why in fault.problems(self.world_size, self.steps)]
@@ -219,6 +231,29 @@ class RunConfig:
                     f"{self.world_size} x RunConfig.grad_accum={self.grad_accum} = {split}; use a multiple of "
                     f"{split}, e.g. {lower} or {lower + split}"]
         return []
+
+    def _strategy_problems(self) -> list[str]:
+        """What the chosen strategy cannot do with the other fields (mesh shape, task, precision, comm hook)."""
+        if self.strategy == "ddp":
+            return []
+        out, field = [], f"RunConfig.strategy = {self.strategy!r}"
+        tp = self.parallel_dims[1]
+        if self.strategy == "fsdp+tp" and (self.world_size < 4 or self.world_size % 2):
+            out.append(f"{field}: its mesh is (world_size/2 data-parallel x 2 tensor-parallel) ranks, so "
+                       f"RunConfig.world_size = {self.world_size} must be even and at least 4; use 4")
+        if self.strategy == "tp" and tp not in TP_DEGREES:
+            out.append(f"{field}: splits each block over all RunConfig.world_size = {self.world_size} ranks, which "
+                       f"must divide the attention heads: use world_size {' or '.join(map(str, TP_DEGREES))}")
+        if self.strategy in TP_STRATEGIES and self.task != "tinylm":
+            out.append(f"{field}: tensor parallelism splits GPT-2 blocks, so RunConfig.task must be 'tinylm' "
+                       f"(not {self.task!r}); use strategy 'fsdp' or 'zero1' for other models")
+        if self.precision == "fp16":
+            out.append(f"{field}: RunConfig.precision = 'fp16' (a GradScaler over sharded gradients) is not "
+                       "supported here; use 'bf16' or 'fp32', or strategy 'ddp'")
+        if self.strategy != "zero1" and self.comm_hook != "allreduce":
+            out.append(f"{field}: RunConfig.comm_hook = {self.comm_hook!r} is a DDP comm hook; only 'ddp' and "
+                       "'zero1' use DDP: leave comm_hook at 'allreduce'")
+        return out
 
     def validate(self) -> "RunConfig":
         """Raise ConfigError listing every bad field; return self when all are valid."""

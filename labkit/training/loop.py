@@ -15,6 +15,9 @@ Per step and rank it records (records.py has the file layout):
                 1 when the optimizer did not step (GradScaler found an inf/NaN gradient), counted by a hook (amp.py)
     rss_mb      resident memory of the rank; peak_growth_mb its peak above the level before the first step
                 (RunConfig.memory_budget_mb turns it into an out-of-memory error); cuda_peak_mb on GPUs
+    param_bytes, grad_bytes, optim_bytes, peak_param_bytes, act_bytes   memory this rank holds (held.py), on the
+                first strategies.COUNTED_STEPS steps; there, strategies other than "ddp" also count collectives by
+                kind (n_all_reduce, n_all_gather, ...), and leave allreduces / comm_bytes empty after (strategies.py)
     accuracy / eval_accuracy on tasks that have them
 """
 from __future__ import annotations
@@ -26,13 +29,13 @@ import time
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .amp import StepCounter, autocast
-from .commhooks import count_collectives, install_comm_hook, single_bucket_mb
 from .faults import inject, nan_factor
+from .gradnorm import clip_or_measure
 from .schedule import lr_for_config
 from .seeding import seed_everything, set_deterministic
+from .strategies import distribute
 from .tasks import Task, make_task
 
 
@@ -55,15 +58,13 @@ def train(ctx: Any, config: Any = None) -> None:
     task = make_task(config, ctx.world_size)
     model = task.build_model().to(ctx.device)
     seed_everything(config.seed, rank=ctx.rank)  # from here on (dropout, augmentation): a stream per rank
-    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-              bucket_cap_mb=_bucket_cap_mb(config, model, ctx))
-    install_comm_hook(ddp, config.comm_hook, powersgd_rank=config.powersgd_rank)
-    optimizer = make_optimizer(config, model.parameters())
+    placed = distribute(model, task, config, ctx, make_optimizer)  # RunConfig.strategy: DDP, ZeRO, FSDP, TP
+    ddp, optimizer, task = placed.model, placed.optimizer, placed.task
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=config.precision == "fp16")
     taken = StepCounter(optimizer)
     baseline = _rss_bytes()
     step_started = time.perf_counter()
-    with count_collectives() as wire:  # what this rank really hands to torch.distributed, step by step
+    with placed.counter() as wire:  # what this rank really hands to torch.distributed, step by step
         for step in range(config.steps):
             ctx.heartbeat(step)
             inject(config.faults, ctx.rank, step)
@@ -82,10 +83,10 @@ def train(ctx: Any, config: Any = None) -> None:
             memory = memory_fields(ctx.device, baseline)
             now = time.perf_counter()
             ctx.record(step, loss=loss, lr=lr, grad_norm=grad_norm,
-                       samples=samples, tokens=samples * task.tokens_per_sample,
+                       samples=placed.credit(samples), tokens=placed.credit(samples) * task.tokens_per_sample,
                        t_data=t_data, t_fwd_bwd=t_fwd_bwd, t_optim=t_optim, t_step=now - step_started,
                        allreduces=allreduces, comm_bytes=comm_bytes, loss_scale=loss_scale,
-                       skipped_step=int(taken.steps == steps_before), **memory, **extras)
+                       skipped_step=int(taken.steps == steps_before), **memory, **placed.fields(), **extras)
             step_started = now
             _check_memory_budget(config, memory["peak_growth_mb"], step, task.batch_size)
             if config.stop_on_nan and not math.isfinite(loss):
@@ -94,10 +95,10 @@ def train(ctx: Any, config: Any = None) -> None:
     getattr(task, "close", lambda: None)()  # stop DataLoader workers after the last step, not inside it
     if config.save_final:
         (ctx.run_dir / "final").mkdir(exist_ok=True)
-        torch.save(model.state_dict(), ctx.run_dir / "final" / f"rank{ctx.rank}.pt")
+        torch.save(placed.full_state_dict(model), ctx.run_dir / "final" / f"rank{ctx.rank}.pt")
 
 
-def _forward_backward(ddp: DDP, task: Task, ctx: Any, config: Any, scaler: Any,
+def _forward_backward(ddp: Any, task: Task, ctx: Any, config: Any, scaler: Any,
                       step: int) -> tuple[float, dict, float, float, int]:
     """All micro-batches of one step; DDP all-reduces gradients only on the last one (no_sync before it).
     Returns the loss, the task's extras, data and forward/backward seconds, and the samples that went through."""
@@ -123,23 +124,11 @@ def _optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
     """Unscale, measure (and maybe clip) the gradient norm, step, zero; returns the norm before clipping."""
     scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
-    if clip_norm is not None:
-        norm = torch.nn.utils.clip_grad_norm_(params, clip_norm)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    norm = clip_or_measure(params, clip_norm)  # torch's clip_grad_norm_ / get_total_norm, or over shards
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return norm.item()
-
-
-def _bucket_cap_mb(config: Any, model: torch.nn.Module, ctx: Any) -> float:
-    if config.comm_hook == "powersgd" and ctx.backend == "gloo":
-        size = single_bucket_mb(model)
-        if config.bucket_cap_mb < size:
-            print(f"labkit: PowerSGD on gloo needs one DDP bucket; bucket_cap_mb {config.bucket_cap_mb} -> {size:.1f}")
-            return size
-    return config.bucket_cap_mb
 
 
 def _budget_advice(config: Any, batch: int) -> str:
