@@ -116,17 +116,23 @@ def test_only_the_first_steps_are_instrumented(runs_root, no_leftovers):
 # --- collectives -----------------------------------------------------------------------------------------------
 
 def test_collectives_per_step_match_each_design(ddp_runs, runs_root, no_leftovers):
-    kinds = {}
+    kinds, runs = {}, {}
     for strategy, world in (("zero1", 2), ("zero2", 2), ("fsdp", 2), ("tp", 2)):
-        run = labkit.launch(config(strategy, world, steps=COUNTED_STEPS), runs_root=runs_root, echo=False,
-                            progress=False)
-        kinds[strategy] = parallel.collectives(run)  # the last counted step: after DDP's bucket rebuild (step 1)
-    assert parallel.collectives(ddp_runs[2])["all_reduce"] == 1                # one bucket for the tiny model
-    assert kinds["zero1"]["broadcast"] == 28 and kinds["zero1"]["all_reduce"] == 1  # one per parameter tensor
-    # 3 FSDP groups (2 blocks + root), + the gradient norm's all-reduce
-    assert (kinds["zero2"]["all_gather"], kinds["zero2"]["reduce_scatter"], kinds["zero2"]["all_reduce"]) == (3, 3, 1)
-    assert (kinds["fsdp"]["all_gather"], kinds["fsdp"]["reduce_scatter"]) == (6, 3)  # gathered again for backward
-    assert kinds["tp"] == {"all_reduce": 2 * 2 * 2 + 1, "bytes": kinds["tp"]["bytes"]}
+        runs[strategy] = labkit.launch(config(strategy, world, steps=COUNTED_STEPS), runs_root=runs_root, echo=False,
+                                       progress=False)
+        kinds[strategy] = parallel.collectives(runs[strategy])  # the last counted step: after DDP's bucket rebuild
+    calls = {name: {kind: n for kind, (n, _) in found.items()} for name, found in kinds.items()}
+    model_bytes = 4 * parallel.parameter_split(config("ddp", 2))["total"]
+    assert parallel.collectives(ddp_runs[2]) == {"all_reduce": (1, model_bytes)}  # one bucket for the tiny model
+    assert calls["zero1"] == {"all_reduce": 1, "broadcast": 28}  # then each parameter tensor from its owner
+    # 3 FSDP groups (2 blocks + root), + the gradient norm's all-reduce; ZeRO-3 gathers again for backward
+    assert calls["zero2"] == {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 1}
+    assert calls["fsdp"] == {"all_gather": 6, "reduce_scatter": 3, "all_reduce": 1}
+    assert calls["tp"] == {"all_reduce": 2 * 2 * 2 + 1}
+    # the ZeRO paper's traffic: stage 2 moves what DDP does, stage 3 one and a half times that
+    table = parallel.collectives_table({"ddp": ddp_runs[2], **{k: v for k, v in runs.items()}})
+    received = table[table.kind != "all_reduce"].groupby("run").bytes_received.sum()
+    assert received["zero2"] == model_bytes and received["fsdp"] == 1.5 * model_bytes
 
 
 def test_megatron_two_all_reduces_forward_two_backward_per_block(no_leftovers):
@@ -153,7 +159,7 @@ def both_counters_on_ddp(ctx):
 def test_the_dispatch_counter_agrees_with_the_python_counter_on_ddp(runs_root, no_leftovers):
     run = labkit.launch(both_counters_on_ddp, world_size=2, runs_root=runs_root, echo=False, progress=False)
     python_side, dispatcher, kinds = run.result(0)[-1]  # after DDP's bucket rebuild (its step 1 broadcasts)
-    assert python_side == dispatcher == (1, (8 * 8 + 8) * 4) and kinds == {"all_reduce": 1}
+    assert python_side == dispatcher == (1, (8 * 8 + 8) * 4) and kinds == {"all_reduce": dispatcher}
 
 
 # --- gradient accumulation under FSDP ------------------------------------------------------------------------------
@@ -163,7 +169,7 @@ def test_fsdp_accumulation_reduces_once_per_step_with_no_sync(no_sync, reduce_sc
                                                                no_leftovers):
     run = labkit.launch(config("fsdp", 2, grad_accum=2, no_sync=no_sync), runs_root=runs_root, echo=False,
                         progress=False)
-    assert parallel.collectives(run)["reduce_scatter"] == reduce_scatters
+    assert parallel.collectives(run)["reduce_scatter"][0] == reduce_scatters
     ddp = ddp_runs[2].steps().set_index("step").loss
     assert (run.steps().set_index("step").loss - ddp).abs().max() < 1e-5
 
@@ -189,3 +195,23 @@ def test_split_blocks_refuses_the_fused_qkv():
         split_blocks(make_task(RunConfig(world_size=1)).build_model(), FakeMesh())
     with pytest.raises(TypeError, match="not a transformers GPT-2"):
         linear_gpt2(torch.nn.Linear(2, 2))
+
+
+# --- clipping over shards, and a model that is not GPT-2 --------------------------------------------------------------
+
+@pytest.mark.parametrize("strategy, world", [("fsdp", 2), ("tp", 2), ("fsdp+tp", 4)])
+def test_clipping_over_shards_matches_ddp(strategy, world, runs_root, no_leftovers):
+    clipped = {name: labkit.launch(config(name, world, steps=3, clip_norm=0.5), runs_root=runs_root, echo=False,
+                                   progress=False).steps().set_index("step")
+               for name in ("ddp", strategy)}
+    assert (clipped["ddp"].grad_norm > 0.5).all()  # the clipping is active on every step
+    assert (clipped[strategy].loss - clipped["ddp"].loss).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "fsdp"])
+def test_zero_strategies_train_the_digits_mlp_like_ddp(strategy, runs_root, no_leftovers):
+    cfg = RunConfig(task="digits", world_size=2, steps=3, eval_every=3, grad_accum=2, tensorboard=False)
+    runs = {s: labkit.launch(cfg.replace(strategy=s), runs_root=runs_root, echo=False, progress=False).steps()
+            for s in ("ddp", strategy)}
+    for column in ("loss", "eval_accuracy"):
+        assert (runs[strategy][column] - runs["ddp"][column]).abs().max() < 1e-5

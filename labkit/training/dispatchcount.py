@@ -3,7 +3,7 @@
     with DispatchCounter() as wire:        # in a rank, around one or more training steps
         loss = model(x).sum(); loss.backward()
     wire.take()                            # (calls, bytes) since the last take()
-    wire.take_kinds()                      # {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 1, ...}
+    wire.take_kinds()                      # {"all_gather": (5, 1024), "reduce_scatter": (3, 4096), ...}
 
 Why a second counter (commhooks.count_collectives wraps torch.distributed's Python functions): FSDP2 calls
 `dist.all_gather_single` / `dist.reduce_scatter_single`, and DTensor tensor parallelism calls functional
@@ -51,6 +51,7 @@ class DispatchCounter(TorchDispatchMode):
         self._calls = 0
         self._bytes = 0
         self._kinds: Counter[str] = Counter()
+        self._kind_bytes: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -66,6 +67,7 @@ class DispatchCounter(TorchDispatchMode):
                     self._calls += 1
                     self._bytes += sent
                     self._kinds[kind] += 1
+                    self._kind_bytes[kind] += sent
         return out
 
     def take(self) -> tuple[int, int]:
@@ -75,11 +77,13 @@ class DispatchCounter(TorchDispatchMode):
             self._calls = self._bytes = 0
         return out
 
-    def take_kinds(self) -> dict[str, int]:
-        """Calls per kind ("all_reduce", "all_gather", "reduce_scatter", "broadcast", ...) since the last call."""
+    def take_kinds(self) -> dict[str, tuple[int, int]]:
+        """(calls, bytes) per kind ("all_reduce", "all_gather", "reduce_scatter", "broadcast", ...) since the last
+        call."""
         with self._lock:
-            out = dict(self._kinds)
+            out = {kind: (n, self._kind_bytes[kind]) for kind, n in self._kinds.items()}
             self._kinds.clear()
+            self._kind_bytes.clear()
         return out
 
 

@@ -48,7 +48,7 @@ class OutOfMemoryBudget(MemoryError):
 
 
 def train(ctx: Any, config: Any = None) -> None:
-    """Train config.task with DDP on this rank, recording every step through ctx.record."""
+    """Train config.task on this rank, spread as config.strategy says (DDP by default), recording every step."""
     config = config or ctx.config
     if config is None:
         raise ValueError("train needs a RunConfig: launch(RunConfig(...)) or launch(train, config=cfg)")

@@ -29,6 +29,7 @@ steps, for every strategy: measuring costs about 1 ms a step, and the bytes do n
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -59,7 +60,7 @@ class Placement:
 
     def counter(self) -> Any:
         """A context manager whose take() gives (collectives, bytes) per step (None, None when not counted)."""
-        self._counter = StepCounter() if self.dispatch_counted else count_collectives()
+        self._counter = FirstStepsCounter() if self.dispatch_counted else count_collectives()
         return self._counter
 
     def credit(self, samples: int) -> int:
@@ -67,25 +68,35 @@ class Placement:
         return samples // self.tp
 
     def fields(self) -> dict[str, Any]:
-        """Record fields: bytes held (held.py) and, on counted steps, collectives by kind (n_all_gather, ...)."""
+        """Record fields: bytes held (held.py) and, on counted steps, collectives by kind: n_all_gather (calls),
+        bytes_all_gather (bytes handed to them), ..."""
         kinds = getattr(self._counter, "last_kinds", {})
-        return {**self.meter.fields(), **{f"n_{kind}": n for kind, n in kinds.items()}}
+        by_kind = {f"{prefix}_{kind}": value for kind, pair in kinds.items()
+                   for prefix, value in zip(("n", "bytes"), pair)}
+        return {**self.meter.fields(), **by_kind}
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole parameters, gathered from shards where needed (a collective: call it on every rank)."""
-        return {name: _full(value) for name, value in model.state_dict().items()}
+        # On a 2-D mesh DTensor warns that it gathers in two steps (a speed remark about this one-off gather)
+        quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            return {name: _full(value) for name, value in model.state_dict().items()}
+        finally:
+            quiet.setLevel(level)
 
 
-class StepCounter:
+class FirstStepsCounter:
     """A DispatchCounter switched on for the first COUNTED_STEPS steps only; take() closes each step."""
 
     def __init__(self, steps: int = COUNTED_STEPS):
         self.steps_left = steps
         self.mode = DispatchCounter()
-        self.last_kinds: dict[str, int] = {}
+        self.last_kinds: dict[str, tuple[int, int]] = {}
         self._active = False
 
-    def __enter__(self) -> "StepCounter":
+    def __enter__(self) -> "FirstStepsCounter":
         if self.steps_left > 0:
             self.mode.__enter__()
             self._active = True

@@ -31,7 +31,7 @@ from ..training.strategies import COUNTED_STEPS
 from ..training.tasks import make_task
 from ..training.tensor_parallel import block_plan, linear_gpt2, split_blocks
 from ..view import COLORS, new_figure, shown
-from .memory import STAGES, StateBytes, state_breakdown
+from .memory import StateBytes, state_breakdown
 
 STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3, "tp": 0, "fsdp+tp": 3}
 FP32_ADAMW = {"param_bytes": 4, "grad_bytes": 4, "k": 8}  # what this kit trains with: fp32 weights, AdamW
@@ -43,7 +43,6 @@ PARTS = ("params", "grads", "optimizer")
 # output (+2). Outside the layers: the final LayerNorm's input and the LM head's input (2). See saved_by_module().
 GPT2_ON_CPU = {"value_bytes": 4, "dropout": False, "scores": False, "split_values": 26, "outside_values": 2,
                "norm_stats": True}
-assert set(STAGE.values()) <= set(STAGES)
 
 
 def lesson_config(strategy: str, world_size: int, *, steps: int, **fields: Any) -> RunConfig:
@@ -117,15 +116,34 @@ def throughput(run: Run) -> float:
     return float(steps[steps.step >= COUNTED_STEPS].samples_per_s.median())
 
 
-def collectives(run: Run) -> dict[str, float]:
-    """Collectives per step by kind on rank 0, from the last step whose collectives were counted."""
+def collectives(run: Run) -> dict[str, tuple[float, float]]:
+    """{kind: (calls, bytes handed)} per step on rank 0, from the last step whose collectives were counted (the
+    steady state: DDP rebuilds its buckets on step 1 with two extra broadcasts)."""
     df = run.df[run.df["rank"] == 0]
     counted = df.dropna(subset=["allreduces"])
     row = counted[counted.step == counted.step.max()].iloc[0]
-    kinds = {c[2:]: row[c] for c in df.columns if c.startswith("n_") and pd.notna(row[c])}
-    if not kinds:  # "ddp" records its all-reduces without kinds (commhooks.py counts them)
-        kinds = {"all_reduce": row.allreduces}
-    return {**kinds, "bytes": row.comm_bytes}
+    kinds = {c[2:]: (row[c], row[f"bytes_{c[2:]}"]) for c in df.columns if c.startswith("n_") and pd.notna(row[c])}
+    return kinds or {"all_reduce": (row.allreduces, row.comm_bytes)}  # "ddp" counts without kinds (commhooks.py)
+
+
+# Bytes each rank receives, per byte it hands to the collective, with n ranks (ring algorithms, nccl-tests' bus
+# factors): an all-reduce of S receives 2(n-1)/n·S; an all-gather of shards s receives the (n-1) others' shards; a
+# reduce-scatter of S receives (n-1)/n·S; a broadcast of S, (n-1)/n·S per rank on average (the root receives none).
+WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: n - 1,
+        "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: (n - 1) / n}
+
+
+def collectives_table(runs: dict[str, Run]) -> pd.DataFrame:
+    """One row per run and kind of collective: calls per step, bytes handed, bytes each rank receives (WIRE) over
+    the group it runs in (data-parallel for FSDP's gathers, tensor-parallel for TP's all-reduces)."""
+    rows = []
+    for label, run in runs.items():
+        dp, tp = run.config.parallel_dims
+        for kind, (calls, handed) in collectives(run).items():
+            group = tp if (kind == "all_reduce" and tp > 1 and calls > 1) else dp
+            rows.append({"run": label, "kind": kind, "calls": int(calls), "bytes_handed": int(handed),
+                         "group": group, "bytes_received": WIRE[kind](group) * handed if group > 1 else 0.0})
+    return pd.DataFrame(rows)
 
 
 def state_table(runs: dict[str, Run]) -> pd.DataFrame:
@@ -148,7 +166,8 @@ def state_table(runs: dict[str, Run]) -> pd.DataFrame:
 
 @shown
 def state_bars(table: pd.DataFrame, *, title: str = "model state per rank: measured beside the formula") -> Figure:
-    """Per run two stacked bars: measured (solid) and predicted (hatched) parameters, gradients, optimizer state."""
+    """Per run two stacked bars: measured (solid) and predicted (hatched) parameters, gradients, optimizer state;
+    dashed, where FSDP gathers parameters during the step, what the rank holds then."""
     fig = new_figure(figsize=(11, 4.2))
     ax = fig.subplots()
     x = np.arange(len(table))
@@ -159,6 +178,10 @@ def state_bars(table: pd.DataFrame, *, title: str = "model state per rank: measu
             ax.bar(x + offset, values, 0.38, bottom=bottom, color=color, hatch=hatch, alpha=0.9 if hatch else 1,
                    edgecolor="white", label=part if kind == "measured" else None)
             bottom += values
+    during = (table.peak_params + table.measured_grads + table.measured_optimizer).to_numpy(float) / 2**10
+    gathers = table.peak_params > table.measured_params
+    ax.bar((x - 0.2)[gathers], during[gathers], 0.38, fill=False, edgecolor="black", linestyle="--",
+           label="during the step (gathered parameters)")
     ax.set_xticks(x, [f"{label}\n(stage {row.stage}, dp {row.dp} x tp {row.tp})" for label, row in table.iterrows()],
                   fontsize=8)
     ax.set(ylabel="KiB per rank", title=f"{title}  (solid: measured, hatched: formula)")
@@ -187,9 +210,9 @@ def _count_tp_step(ctx: Any, config: RunConfig) -> dict[str, Any]:
     with DispatchCounter() as wire:
         loss, _ = task.loss(model, inputs, targets)
         counts["forward"], counts["forward_bytes"] = wire.take()
-        counts["forward_kinds"] = wire.take_kinds()
+        counts["forward_kinds"] = {kind: n for kind, (n, _) in wire.take_kinds().items()}
         loss.backward()
         counts["backward"], counts["backward_bytes"] = wire.take()
-        counts["backward_kinds"] = wire.take_kinds()
+        counts["backward_kinds"] = {kind: n for kind, (n, _) in wire.take_kinds().items()}
     counts.update(blocks=len(model.transformer.h), activation_bytes=inputs.numel() * model.config.n_embd * 4)
     return counts
