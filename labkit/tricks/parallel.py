@@ -39,8 +39,8 @@ PARTS = ("params", "grads", "optimizer")
 # labkit.memory.activation_bytes for transformers' GPT-2 as this kit runs it (fp32, dropout 0, the CPU's fused
 # attention), in values of s·b·h per layer: the paper's 4 whole and 12 split, where GPT-2 keeps 14 more split ones:
 # its GELU, written out in Python (0.5·x·(1 + tanh(...))), keeps 4 tensors of width 4h instead of 1 (+12), and the
-# attention keeps the fused q|k|v output that its q, k and v are views of, plus contiguous copies of q and of its
-# output (+2). Outside the layers: the final LayerNorm's input and the LM head's input (2). See saved_by_module().
+# attention kernel keeps q as a view of the fused q|k|v output (all three stay alive) beside contiguous copies of k
+# and v (+2). Outside the layers: the final LayerNorm's input and the LM head's input (2). See tpclaim.saved_by_module.
 GPT2_ON_CPU = {"value_bytes": 4, "dropout": False, "scores": False, "split_values": 26, "outside_values": 2,
                "norm_stats": True}
 
