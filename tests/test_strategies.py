@@ -215,3 +215,26 @@ def test_zero_strategies_train_the_digits_mlp_like_ddp(strategy, runs_root, no_l
             for s in ("ddp", strategy)}
     for column in ("loss", "eval_accuracy"):
         assert (runs[strategy][column] - runs["ddp"][column]).abs().max() < 1e-5
+
+
+def test_the_meter_by_hand_and_it_unhooks_after_its_steps():
+    from labkit.training.held import StateMeter
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.ReLU(), torch.nn.Linear(20, 1))
+    optimizer = torch.optim.AdamW(model.parameters())
+    meter = StateMeter(model, optimizer, steps=2)
+    psi = 10 * 20 + 20 + 20 + 1
+    for step in range(3):
+        model(torch.ones(8, 10)).sum().backward()
+        optimizer.step()
+        fields = meter.fields()
+        optimizer.zero_grad()
+        if step < 2:
+            # fp32: 4 bytes per parameter and gradient, AdamW's two moments and a 4-byte step per tensor;
+            # saved for backward: the input (8 x 10, for Linear 1's weight gradient) and ReLU's output (8 x 20,
+            # which ReLU and Linear 2 both keep: one storage)
+            assert fields["param_bytes"] == fields["grad_bytes"] == fields["peak_param_bytes"] == 4 * psi
+            assert fields["optim_bytes"] == 8 * psi + 4 * 4
+            assert fields["act_bytes"] == (8 * 10 + 8 * 20) * 4
+        else:
+            assert fields == {}
+    assert not model._forward_hooks and not model._forward_pre_hooks and not optimizer._optimizer_step_post_hooks
