@@ -135,8 +135,8 @@ def test_collectives_per_step_match_each_design(ddp_runs, runs_root, no_leftover
     assert received["zero2"] == model_bytes and received["fsdp"] == 1.5 * model_bytes
 
 
-def test_megatron_two_all_reduces_forward_two_backward_per_block(no_leftovers):
-    counts = parallel.megatron_count(world_size=2)
+def test_megatron_two_all_reduces_forward_two_backward_per_block(runs_root, no_leftovers):
+    counts = parallel.megatron_count(world_size=2, runs_root=runs_root)
     assert counts["forward"] == counts["backward"] == 2 * counts["blocks"]
     assert counts["forward_kinds"] == {"all_reduce": 2 * counts["blocks"]}
     assert counts["forward_bytes"] == counts["forward"] * counts["activation_bytes"]

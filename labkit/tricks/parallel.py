@@ -51,12 +51,13 @@ def lesson_config(strategy: str, world_size: int, *, steps: int, **fields: Any) 
     return RunConfig(task="tinylm", strategy=strategy, world_size=world_size, steps=steps, **fields)
 
 
-def run_strategies(cases: Sequence[tuple[str, int]], *, steps: int, **fields: Any) -> dict[str, Run]:
+def run_strategies(cases: Sequence[tuple[str, int]], *, steps: int, runs_root: Any = None,
+                   **fields: Any) -> dict[str, Run]:
     """Train the same model once per (strategy, world_size); {"fsdp w2": Run, ...}."""
     runs = {}
     for strategy, world in cases:
         config = lesson_config(strategy, world, steps=steps, **fields)
-        runs[config.name] = launch(config, echo=False)
+        runs[config.name] = launch(config, echo=False, runs_root=runs_root)
     return runs
 
 
@@ -192,11 +193,11 @@ def state_bars(table: pd.DataFrame, *, title: str = "model state per rank: measu
 
 # --- Megatron's claim, counted ---------------------------------------------------------------------------------
 
-def megatron_count(world_size: int = 2, **fields: Any) -> dict[str, Any]:
+def megatron_count(world_size: int = 2, *, runs_root: Any = None, **fields: Any) -> dict[str, Any]:
     """All-reduces one forward and one backward of the tensor-parallel tiny GPT-2 issue, per block, with bytes."""
     config = lesson_config("tp", world_size, steps=1, **fields)
     run = launch(functools.partial(_count_tp_step, config=config), world_size=world_size, echo=False,
-                 name="megatron-count")
+                 name="megatron-count", runs_root=runs_root)
     return run.result(0)
 
 
