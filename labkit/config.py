@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .fault import Fault, as_faults, fault_shape
 from .rules import Rule, boolean, integer, is_int, is_number, number, one_of, optional, shown, text
 
 TASKS = ("tinylm", "digits")
@@ -26,9 +27,10 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "linear", "cosine", "cosine_restarts", "polynomial", "plateau")
 PRECISIONS = ("fp32", "bf16", "fp16")
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
-STRATEGIES = ("ddp",)  # later lessons add "zero", "fsdp", ...
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "tp", "fsdp+tp")  # labkit/training/strategies.py says what each is
+TP_STRATEGIES = ("tp", "fsdp+tp")
+TP_DEGREES = (1, 2, 4)  # divide the attention heads of every tinylm size (4, 4, 8)
 COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd")
-FAULT_KINDS = ("raise", "segfault", "hang", "nan", "exit", "bad_batch", "slow")
 NAN_POLICIES = ("raise", "alone", "stop", "skip", "ignore")
 
 
@@ -44,39 +46,6 @@ def quick_mode() -> bool:
 def pick(full: Any, quick: Any) -> Any:
     """Return `quick` in quick mode, else `full`:  steps = pick(full=200, quick=30)."""
     return quick if quick_mode() else full
-
-
-@dataclass(frozen=True, kw_only=True)
-class Fault:
-    """A failure to inject on purpose:  Fault(kind="raise", rank=1, step=3).
-
-    kinds: "raise" (a Python exception), "segfault" (SIGSEGV), "hang" (sleep forever), "nan" (a NaN loss),
-    "exit" (os._exit(3), a rank that vanishes without a traceback), "bad_batch" (that rank's batch of that step
-    is corrupted: labels shuffled, float inputs scaled up; see training/faults.py), "slow" (a straggler: the rank
-    sleeps delay_s at the start of every step from `step` on:  Fault(kind="slow", rank=1, step=0, delay_s=0.02)).
-    """
-
-    kind: str
-    """What happens: one of FAULT_KINDS."""
-    rank: int
-    """The rank it happens on."""
-    step: int
-    """The step (0-based) at whose start it happens ("slow": from which on)."""
-    delay_s: float = 0.0
-    """"slow" only: seconds the rank loses at the start of each step (a slower GPU, a noisy neighbour)."""
-
-    def problems(self, world_size: int | None = None, steps: int | None = None) -> list[str]:
-        """What is wrong with this fault, as sentences (ranges are checked when world_size and steps are given)."""
-        out = []
-        if not (isinstance(self.kind, str) and self.kind in FAULT_KINDS):
-            out.append(f"Fault.kind = {shown(self.kind)}: must be one of {', '.join(FAULT_KINDS)}")
-        for name, size, what in (("rank", world_size, "world_size"), ("step", steps, "steps")):
-            value = getattr(self, name)
-            if not is_int(value) or value < 0:
-                out.append(f"Fault.{name} = {shown(value)}: must be an integer >= 0")
-            elif size is not None and value >= size:
-                out.append(f"Fault.{name} = {value}: must be below {what} = {size}")
-        return out + _delay_problems(self.kind, self.delay_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,7 +105,10 @@ class RunConfig:
     backend: str = "auto"
     """"auto" picks nccl when CUDA is available for every rank, else gloo."""
     strategy: str = "ddp"
-    """How the model is distributed."""
+    """How the model is spread over the ranks: "ddp" (every rank holds everything), "zero1" (optimizer state
+    sharded: ZeroRedundancyOptimizer), "zero2" (and gradients: FSDP2 without resharding after forward), "fsdp"
+    (and parameters: FSDP2, ZeRO-3), "tp" (each block's matrices split over all ranks; tinylm), "fsdp+tp"
+    (a 2-D mesh: world_size/2 FSDP ranks x 2 tensor-parallel; tinylm, world_size 4, 6, ...). See parallel_dims."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size."""
     comm_hook: str = "allreduce"
@@ -186,7 +158,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         # JSON and notebooks hand us lists of dicts; keep the dataclass hashable and typed. What cannot be turned
         # into Faults is left as it is, for problems() to report with the field's name.
-        object.__setattr__(self, "faults", _as_faults(self.faults))
+        object.__setattr__(self, "faults", as_faults(self.faults))
         self.validate()
 
     @classmethod
@@ -200,6 +172,12 @@ class RunConfig:
     def batch_per_rank(self) -> int:
         """Samples in one micro-batch on one rank: global_batch / (world_size * grad_accum)."""
         return self.global_batch // (self.world_size * self.grad_accum)
+
+    @property
+    def parallel_dims(self) -> tuple[int, int]:
+        """(data-parallel ranks, tensor-parallel ranks); their product is world_size:  (2, 2) for "fsdp+tp" on 4."""
+        tp = {"tp": self.world_size, "fsdp+tp": 2}.get(self.strategy, 1)
+        return self.world_size // tp, tp
 
     @property
     def loss_floor(self) -> float | None:
@@ -219,7 +197,7 @@ class RunConfig:
         out: list[str] = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            why = _fault_shape(value) if f.name == "faults" else RULES[f.name](value)
+            why = fault_shape(value) if f.name == "faults" else RULES[f.name](value)
             if why:
                 out.append(f"RunConfig.{f.name} = {shown(value)}: {why}")
         if out:
@@ -232,7 +210,7 @@ class RunConfig:
         if self.branching > self.vocab_size:
             out.append(f"RunConfig.branching = {self.branching}: must be at most RunConfig.vocab_size = "
                        f"{self.vocab_size}")
-        out += self._batch_problems() + self._schedule_problems()
+        out += self._batch_problems() + self._schedule_problems() + self._strategy_problems()
         for i, fault in enumerate(self.faults):
             out += [f"RunConfig.faults[{i}]: {why} (RunConfig.world_size = {self.world_size}, RunConfig.steps = "
                     f"{self.steps})" for why in fault.problems(self.world_size, self.steps)]
@@ -262,6 +240,29 @@ class RunConfig:
                     f"{self.min_lr_ratio!r} must be below 1"]
         return []
 
+    def _strategy_problems(self) -> list[str]:
+        """What the chosen strategy cannot do with the other fields (mesh shape, task, precision, comm hook)."""
+        if self.strategy == "ddp":
+            return []
+        out, field = [], f"RunConfig.strategy = {self.strategy!r}"
+        tp = self.parallel_dims[1]
+        if self.strategy == "fsdp+tp" and (self.world_size < 4 or self.world_size % 2):
+            out.append(f"{field}: its mesh is (world_size/2 data-parallel x 2 tensor-parallel) ranks, so "
+                       f"RunConfig.world_size = {self.world_size} must be even and at least 4; use 4")
+        if self.strategy == "tp" and tp not in TP_DEGREES:
+            out.append(f"{field}: splits each block over all RunConfig.world_size = {self.world_size} ranks, which "
+                       f"must divide the attention heads: use world_size {' or '.join(map(str, TP_DEGREES))}")
+        if self.strategy in TP_STRATEGIES and self.task != "tinylm":
+            out.append(f"{field}: tensor parallelism splits GPT-2 blocks, so RunConfig.task must be 'tinylm' "
+                       f"(not {self.task!r}); use strategy 'fsdp' or 'zero1' for other models")
+        if self.precision == "fp16":
+            out.append(f"{field}: RunConfig.precision = 'fp16' (a GradScaler over sharded gradients) is not "
+                       "supported here; use 'bf16' or 'fp32', or strategy 'ddp'")
+        if self.strategy != "zero1" and self.comm_hook != "allreduce":
+            out.append(f"{field}: RunConfig.comm_hook = {self.comm_hook!r} is a DDP comm hook; only 'ddp' and "
+                       "'zero1' use DDP: leave comm_hook at 'allreduce'")
+        return out
+
     def validate(self) -> "RunConfig":
         """Raise ConfigError listing every bad field; return self when all are valid."""
         problems = self.problems()
@@ -287,30 +288,9 @@ class RunConfig:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
 
     @classmethod
-    def load(cls, path: Path, *, recorded: bool = False) -> "RunConfig":
-        """Read a config file. recorded=True reads one that a run wrote, perhaps with an older labkit: renamed
-        fields are carried over and fields this version no longer has are dropped, with a warning."""
-        data = json.loads(Path(path).read_text())
-        return cls.from_dict(_upgraded(data, path) if recorded else data)
-
-
-# Fields that older labkits wrote under another name: old name -> (new name, how an old value maps to a new one).
-RENAMED = {"stop_on_nan": ("nan_policy", lambda stop: "raise" if stop else "ignore")}
-
-
-def _upgraded(data: dict[str, Any], source: Any) -> dict[str, Any]:
-    """A recorded config in this version's fields (see RunConfig.load(recorded=True))."""
-    import warnings
-    data = dict(data)
-    for old, (new, convert) in RENAMED.items():
-        if old in data:
-            value = data.pop(old)
-            data.setdefault(new, convert(value))
-    known = {f.name for f in dataclasses.fields(RunConfig)}
-    dropped = sorted(set(data) - known)
-    if dropped:
-        warnings.warn(f"{source}: written by another labkit version; ignoring fields {dropped}", stacklevel=3)
-    return {k: v for k, v in data.items() if k in known}
+    def load(cls, path: Path) -> "RunConfig":
+        """Read a config file a person wrote (RunConfig.save writes one); records.Run.config reads recorded ones."""
+        return cls.from_dict(json.loads(Path(path).read_text()))
 
 
 RULES: dict[str, Rule] = {
@@ -330,40 +310,3 @@ RULES: dict[str, Rule] = {
     "eval_every": integer(0), "nan_policy": one_of(*NAN_POLICIES), "tensorboard": boolean, "save_final": boolean, "name": text,
 }
 """The rule each field's value must pass (labkit.rules); faults are checked by their own shape and ranges."""
-
-FAULT_FIELDS = ("kind", "rank", "step")
-FAULT_OPTIONAL = ("delay_s",)
-
-
-def _delay_problems(kind: Any, delay: Any) -> list[str]:
-    why = number(0.0)(delay)
-    if why:
-        return [f"Fault.delay_s = {shown(delay)}: {why}"]
-    if kind == "slow" and delay == 0:
-        return ["Fault.delay_s = 0: a \"slow\" fault needs the seconds to lose per step, e.g. delay_s=0.02"]
-    if kind != "slow" and delay != 0:
-        return [f"Fault.delay_s = {delay!r}: only a \"slow\" fault has a delay (kind = {shown(kind)}); leave it 0"]
-    return []
-
-
-def _as_faults(value: Any) -> Any:
-    """A tuple of Faults from Faults or dicts with the keys kind, rank, step (and maybe delay_s); anything else is
-    returned unchanged."""
-    if not isinstance(value, (list, tuple)):
-        return value
-    items = []
-    for item in value:
-        if isinstance(item, dict) and set(FAULT_FIELDS) <= set(item) <= set(FAULT_FIELDS + FAULT_OPTIONAL):
-            item = Fault(**item)
-        if not isinstance(item, Fault):
-            return value
-        items.append(item)
-    return tuple(items)
-
-
-def _fault_shape(value: Any) -> str | None:
-    if isinstance(value, tuple) and all(isinstance(f, Fault) for f in value):
-        problems = [why for f in value for why in f.problems()]
-        return "; ".join(problems) or None
-    return ("must be a list of Fault(kind=..., rank=..., step=...), or of dicts with the keys "
-            f"{', '.join(FAULT_FIELDS)} (and optionally {', '.join(FAULT_OPTIONAL)})")

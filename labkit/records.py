@@ -105,7 +105,7 @@ class Run:
     def config(self):
         from .config import RunConfig
         path = self.path / "config.json"
-        return RunConfig.load(path, recorded=True) if path.exists() else None
+        return RunConfig.from_dict(upgraded(json.loads(path.read_text()), path)) if path.exists() else None
 
     @property
     def name(self) -> str:
@@ -261,3 +261,26 @@ def write_outcome(run_dir: Path, failure: str | None) -> None:
 
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+# Fields that older labkits wrote under another name: old name -> (new name, how an old value maps to a new one).
+RENAMED = {"stop_on_nan": ("nan_policy", lambda stop: "raise" if stop else "ignore")}
+
+
+def upgraded(data: dict[str, Any], source: Any) -> dict[str, Any]:
+    """A config a run recorded, perhaps with an older labkit, in this version's fields: renamed fields are carried
+    over, fields this version no longer has are dropped with a warning (a config a person writes is not forgiven:
+    RunConfig.load refuses unknown fields)."""
+    import dataclasses
+    import warnings
+    from .config import RunConfig
+    data = dict(data)
+    for old, (new, convert) in RENAMED.items():
+        if old in data:
+            value = data.pop(old)
+            data.setdefault(new, convert(value))
+    known = {f.name for f in dataclasses.fields(RunConfig)}
+    dropped = sorted(set(data) - known)
+    if dropped:
+        warnings.warn(f"{source}: written by another labkit version; ignoring fields {dropped}", stacklevel=3)
+    return {k: v for k, v in data.items() if k in known}

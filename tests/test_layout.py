@@ -1,6 +1,6 @@
 """The package's layout is its architecture: rooms in a fixed order, every import arrow pointing down, no circles.
 
-    base (config, rules, records) <- train, view <- run <- measure <- tricks <- the face (__init__, cli, __main__)
+    base (config, fault, rules, records) <- training, view <- run <- measure <- tricks <- the face (__init__, cli, __main__)
 
 train and view stand side by side: the training loop never imports plotting, and figures know nothing of training.
 """
@@ -11,7 +11,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "labkit"
 ROOMS = {"base": 0, "training": 1, "view": 1, "run": 2, "measure": 3, "tricks": 4, "face": 5}
-BASE = {"labkit.config", "labkit.rules", "labkit.records"}
+BASE = {"labkit.config", "labkit.fault", "labkit.rules", "labkit.records"}
 FACE = {"labkit", "labkit.cli", "labkit.__main__"}
 
 

@@ -2,6 +2,7 @@
 import pytest
 
 import labkit
+from labkit.tricks import memory
 from labkit.tricks.memory import model_state_bytes, state_breakdown
 
 GB = 1e9
@@ -42,3 +43,31 @@ def test_reachable_as_labkit_memory():
 def test_bad_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         model_state_bytes(1000, **kwargs)
+
+
+# --- activations: Korthikanti et al. 2022, section 4 ---------------------------------------------------------------
+
+def test_activations_of_the_papers_layer_by_hand():
+    # s=2048, b=1, h=12288, a=96: s·b·h·34 + 5·a·s²·b bytes
+    s, b, h, a = 2048, 1, 12288, 96
+    assert memory.activation_bytes(seq=s, batch=b, hidden=h, heads=a) == 34 * s * b * h + 5 * a * s * s * b
+    # with tensor parallelism over 8: s·b·h·(10 + 24/8 + 5·a·s/(h·8))
+    assert memory.activation_bytes(seq=s, batch=b, hidden=h, heads=a, tp=8) == pytest.approx(
+        s * b * h * (10 + 3 + 5 * a * s / (h * 8)))
+
+
+def test_activations_of_a_small_case_by_hand():
+    # s=4, b=2, h=8, a=2, fp32, no dropout, fused attention, 1 layer: sbh = 64 values
+    # whole 4·64·4 = 1024, split 12·64·4/2 = 1536, log-sum-exp 2·4·2·4/2 = 32  -> 2592 bytes
+    got = memory.activation_bytes(seq=4, batch=2, hidden=8, heads=2, tp=2, value_bytes=4, dropout=False, scores=False)
+    assert got == 2592
+    # two layers, the final LayerNorm's and LM head's inputs (2·64·4 = 512) and LayerNorm statistics
+    # (per layer 2 LayerNorms x 2 values x 8 positions x 4 B = 128; final 64)
+    assert memory.activation_bytes(seq=4, batch=2, hidden=8, heads=2, layers=2, tp=2, value_bytes=4, dropout=False,
+                                   scores=False, outside_values=2, norm_stats=True) == 2 * (2592 + 128) + 512 + 64
+
+
+@pytest.mark.parametrize("kwargs, message", [({"heads": 3}, "heads"), ({"tp": 3}, "tp"), ({"layers": 0}, "layers")])
+def test_activation_arguments_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        memory.activation_bytes(**{"seq": 8, "batch": 1, "hidden": 8, "heads": 2, **kwargs})

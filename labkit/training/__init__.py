@@ -1,6 +1,6 @@
 """What runs inside a rank: the instrumented training loop and everything it uses.
 
-    loop.py        train(ctx, config): DDP, one record per step and rank
+    loop.py        train(ctx, config): one record per step and rank
     tasks.py       the built-in tasks: a model, the batches of each step, a loss
     data.py        which samples each step sees; the digits DataLoader pipeline
     schedule.py    learning-rate schedules as pure functions of the step (labkit's own and transformers')
@@ -10,6 +10,9 @@
     amp.py         mixed precision: autocast, and whether GradScaler let each optimizer step happen
     faults.py      failures injected on purpose
     seeding.py     seeds, RNG fingerprints, determinism switches
+    strategies.py  RunConfig.strategy: DDP, ZeRO-1, FSDP2 (fullshard.py), tensor parallel (tensor_parallel.py),
+                   with the bytes each rank holds (held.py), the collectives (dispatchcount.py), the grad norm
+                   over shards (gradnorm.py)
 
 Nothing here knows how it was started (labkit's launcher or torchrun) or how it will be shown.
 """

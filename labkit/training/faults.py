@@ -19,7 +19,7 @@ from typing import Iterable
 
 import torch
 
-from ..config import Fault
+from ..fault import Fault
 
 
 class InjectedFault(RuntimeError):

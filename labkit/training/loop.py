@@ -20,6 +20,9 @@ Per step and rank it records (records.py has the file layout):
     nonfinite_ranks   nan_policy "stop"/"skip": how many ranks' loss or gradients were not finite (stability.py)
     rss_mb      resident memory of the rank; peak_growth_mb its peak above the level before the first step
                 (RunConfig.memory_budget_mb turns it into an out-of-memory error); cuda_peak_mb on GPUs
+    param_bytes, grad_bytes, optim_bytes, peak_param_bytes, act_bytes   memory this rank holds (held.py), on the
+                first strategies.COUNTED_STEPS steps; there, strategies other than "ddp" also count collectives by
+                kind (n_all_reduce, n_all_gather, ...), and leave allreduces / comm_bytes empty after (strategies.py)
     accuracy / eval_accuracy on tasks that have them; eval_loss, eval_loss_rank under schedule="plateau"
 """
 from __future__ import annotations
@@ -30,15 +33,14 @@ import time
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .amp import StepCounter, autocast
-from .commhooks import count_collectives, install_comm_hook, single_bucket_mb
 from .faults import corrupt_batch, inject, nan_factor
 from .plateau import Plateau
 from .schedule import lr_for_config
 from .seeding import seed_everything, set_deterministic
 from .stability import NanGuard, NonFiniteLoss, optimizer_step
+from .strategies import distribute
 from .tasks import Task, make_task
 
 __all__ = ["train", "make_optimizer", "memory_fields", "NonFiniteLoss", "OutOfMemoryBudget"]
@@ -49,7 +51,7 @@ class OutOfMemoryBudget(MemoryError):
 
 
 def train(ctx: Any, config: Any = None) -> None:
-    """Train config.task with DDP on this rank, recording every step through ctx.record."""
+    """Train config.task on this rank, spread as config.strategy says (DDP by default), recording every step."""
     config = config or ctx.config
     if config is None:
         raise ValueError("train needs a RunConfig: launch(RunConfig(...)) or launch(train, config=cfg)")
@@ -59,10 +61,8 @@ def train(ctx: Any, config: Any = None) -> None:
     task = make_task(config, ctx.world_size)
     model = task.build_model().to(ctx.device)
     seed_everything(config.seed, rank=ctx.rank)  # from here on (dropout, augmentation): a stream per rank
-    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-              bucket_cap_mb=_bucket_cap_mb(config, model, ctx))
-    install_comm_hook(ddp, config.comm_hook, powersgd_rank=config.powersgd_rank)
-    optimizer = make_optimizer(config, model.parameters())
+    placed = distribute(model, task, config, ctx, make_optimizer)  # RunConfig.strategy: DDP, ZeRO, FSDP, TP
+    ddp, optimizer, task = placed.model, placed.optimizer, placed.task
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=config.precision == "fp16")
     taken = StepCounter(optimizer)
     guard = NanGuard(config.nan_policy, model, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device,
@@ -71,7 +71,7 @@ def train(ctx: Any, config: Any = None) -> None:
         if config.schedule == "plateau" else None
     baseline = _rss_bytes()
     step_started = time.perf_counter()
-    with count_collectives() as wire:  # what this rank really hands to torch.distributed, step by step
+    with placed.counter() as wire:  # what this rank really hands to torch.distributed, step by step
         for step in range(config.steps):
             ctx.heartbeat(step)
             inject(config.faults, ctx.rank, step)
@@ -96,10 +96,10 @@ def train(ctx: Any, config: Any = None) -> None:
             memory = memory_fields(ctx.device, baseline)
             now = time.perf_counter()
             ctx.record(step, loss=loss, lr=lr, **norms,
-                       samples=samples, tokens=samples * task.tokens_per_sample,
+                       samples=placed.credit(samples), tokens=placed.credit(samples) * task.tokens_per_sample,
                        t_data=t_data, t_fwd_bwd=t_fwd_bwd, t_optim=t_optim, t_step=now - step_started,
                        allreduces=allreduces, comm_bytes=comm_bytes, loss_scale=loss_scale,
-                       skipped_step=int(taken.steps == steps_before), **memory, **extras)
+                       skipped_step=int(taken.steps == steps_before), **memory, **placed.fields(), **extras)
             step_started = now
             _check_memory_budget(config, memory["peak_growth_mb"], step, task.batch_size)
             if guard.leaves(loss, step, bad):  # raises, or this rank stops here (nan_policy "alone" / "stop")
@@ -110,10 +110,10 @@ def train(ctx: Any, config: Any = None) -> None:
     guard.wait_for_peers()  # "alone": the end-of-training barrier the ranks still in their loop never reach
     if config.save_final:
         (ctx.run_dir / "final").mkdir(exist_ok=True)
-        torch.save(model.state_dict(), ctx.run_dir / "final" / f"rank{ctx.rank}.pt")
+        torch.save(placed.full_state_dict(model), ctx.run_dir / "final" / f"rank{ctx.rank}.pt")
 
 
-def _forward_backward(ddp: DDP, task: Task, ctx: Any, config: Any, scaler: Any,
+def _forward_backward(ddp: Any, task: Task, ctx: Any, config: Any, scaler: Any,
                       step: int) -> tuple[float, dict, float, float, int]:
     """All micro-batches of one step; DDP all-reduces gradients only on the last one (no_sync before it).
     Returns the loss, the task's extras, data and forward/backward seconds, and the samples that went through."""
@@ -135,13 +135,6 @@ def _forward_backward(ddp: DDP, task: Task, ctx: Any, config: Any, scaler: Any,
     return loss_total, extras, t_data, t_fwd_bwd, samples
 
 
-def _bucket_cap_mb(config: Any, model: torch.nn.Module, ctx: Any) -> float:
-    if config.comm_hook == "powersgd" and ctx.backend == "gloo":
-        size = single_bucket_mb(model)
-        if config.bucket_cap_mb < size:
-            print(f"labkit: PowerSGD on gloo needs one DDP bucket; bucket_cap_mb {config.bucket_cap_mb} -> {size:.1f}")
-            return size
-    return config.bucket_cap_mb
 
 
 def _budget_advice(config: Any, batch: int) -> str:

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .gradnorm import clip_with_norm, total_norm
+
 AGREEING = ("stop", "skip")
 
 
@@ -126,11 +128,11 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sca
     scaler.unscale_(optimizer)  # clip the true gradients: before unscaling, their norm is loss_scale times too big
     params = [p for p in model.parameters() if p.grad is not None]
     grads = [p.grad for p in params]
-    norm = torch.nn.utils.get_total_norm(grads)
+    norm = total_norm(grads)  # over shards too, when the strategy shards gradients (gradnorm.py)
     coef = 1.0
     if clip_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, clip_norm, norm)
-        after = torch.nn.utils.get_total_norm(grads)
+        clip_with_norm(params, clip_norm, norm)
+        after = total_norm(grads)
         coef = (after / norm).item() if norm.item() != 0 else 1.0
     if take:
         scaler.step(optimizer)

@@ -13,7 +13,9 @@
     monitor.py     every rank's TensorBoard events in one table, stragglers, nodes (lesson 11)
     hangs.py       hangs reproduced: the wrong collective, order, shape, a stuck rank (lesson 12)
     debugtools.py  flight-recorder dumps, DETAIL fingerprints, py-spy from outside  (lesson 12)
-    memory.py      ZeRO's model-state formulas (also labkit.memory)                (lesson 14)
+    memory.py      ZeRO's model-state formulas, activations (also labkit.memory)   (lesson 14)
+    parallel.py    ZeRO and tensor parallelism measured against the formulas       (lesson 14)
+    tpclaim.py     adding tensor parallelism to ZeRO-3: memory by part, speed      (lesson 14)
     exercises/     build DDP and ZeRO yourself: references, checkers on real ranks (lessons 16, 17)
 
     from labkit.tricks import comm

@@ -16,7 +16,18 @@ With Ψ parameters and N_d data-parallel ranks:
     stage 3  P_os+g+p: and parameters (FSDP)               (2 + 2 + K)Ψ/N_d
 
 Tensor parallelism of degree T splits each layer's matrices over T ranks first: every rank holds Ψ/T of the model,
-which the data-parallel formulas above then divide further. Activations are not model state: see the lesson.
+which the data-parallel formulas above then divide further.
+
+Activations are not model state: what autograd keeps from forward for backward, per sample, so they grow with the
+batch and the sequence, and no ZeRO stage shards them.
+    memory.activation_bytes(seq=2048, batch=1, hidden=12288, heads=96, layers=1)   # Korthikanti et al.'s formula
+The formula is Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (2022),
+section 4: per transformer layer s·b·h·(34 + 5·a·s/h) bytes with 2-byte values and 1-byte dropout masks, where
+s is the sequence length, b the micro-batch, h the width and a the heads; with tensor parallelism of degree t
+(and no sequence parallelism) s·b·h·(10 + 24/t + 5·a·s/(h·t)). In values of s·b·h per layer: 4 kept whole on
+every tensor-parallel rank (the two LayerNorm inputs, the attention's and the MLP's inputs), 12 split over t
+(q, k, v, the attention output, the GeLU's input, the second linear's input), 2 one-byte dropout masks, and
+a·s/h for the attention scores (softmax output, its dropout mask and output).
 """
 from __future__ import annotations
 
@@ -56,6 +67,41 @@ def model_state_bytes(num_params: float, *, stage: int, dp: int, tp: int = 1, k:
     """The ZeRO paper's per-device model-state bytes for mixed-precision training (2-byte parameters and gradients,
     K bytes of optimizer state per parameter); stage 0 is plain DDP:  model_state_bytes(7.5e9, stage=1, dp=64)."""
     return state_breakdown(num_params, stage=stage, dp=dp, tp=tp, k=k).total
+
+
+def activation_bytes(*, seq: int, batch: int, hidden: int, heads: int, layers: int = 1, tp: int = 1,
+                     value_bytes: float = 2, dropout: bool = True, scores: bool = True, whole_values: float = 4,
+                     split_values: float = 12, outside_values: float = 0, norm_stats: bool = False) -> float:
+    """Bytes of activations one rank keeps for backward (Korthikanti et al. 2022, see the module docstring):
+    activation_bytes(seq=2048, batch=1, hidden=12288, heads=96) is 34·s·b·h + 5·a·s²·b, the paper's layer.
+
+    The defaults are the paper's case. Another model says how it differs, in values of s·b·h per layer:
+    whole_values (kept whole on every tensor-parallel rank; the paper's 4) and split_values (split over tp; the
+    paper's 12); value_bytes (4 in fp32); dropout=False (no one-byte masks); scores=False (a fused attention kernel
+    keeps no s x s scores, only a float32 log-sum-exp per head and position); outside_values (s·b·h values kept
+    outside the layers, e.g. the final LayerNorm's input and the LM head's input: 2); norm_stats (LayerNorm's mean
+    and 1/std, two float32 per position, for 2 LayerNorms per layer and a final one).
+    """
+    for name, value in (("seq", seq), ("batch", batch), ("hidden", hidden), ("heads", heads), ("layers", layers),
+                        ("tp", tp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} = {value!r}: must be a whole number >= 1")
+    if heads % tp or hidden % heads:
+        raise ValueError(f"heads = {heads}, hidden = {hidden}, tp = {tp}: heads must divide hidden, tp must divide "
+                         "heads (each tensor-parallel rank computes whole heads)")
+    sbh, positions = seq * batch * hidden, seq * batch
+    per_layer = whole_values * sbh * value_bytes + split_values * sbh * value_bytes / tp
+    if dropout:
+        per_layer += 2 * sbh  # one-byte masks after attention and after the MLP, on every rank
+    if scores:  # softmax output and dropout output (values), and the dropout mask (one byte)
+        per_layer += heads * seq * positions * (2 * value_bytes + (1 if dropout else 0)) / tp
+    else:
+        per_layer += heads * positions * 4 / tp
+    outside = outside_values * sbh * value_bytes
+    if norm_stats:
+        per_layer += 2 * 2 * positions * 4
+        outside += 2 * positions * 4
+    return layers * per_layer + outside
 
 
 def _check(num_params: float, stage: int, dp: int, tp: int, k: float) -> None:

@@ -1,0 +1,155 @@
+"""Adding tensor parallelism to ZeRO-3, tested: what per-rank memory it changes, and what it costs in time.
+
+The claim (a blog post's "trick"): ZeRO-3 alone still ran out of memory; adding tensor parallelism halved memory
+and sped training up by 40%.
+
+    parts = tpclaim.memory_parts(runs)      # per run, fullest rank: model state, gathered parameters, activations
+    tpclaim.memory_bars(parts)              # stacked, beside throughput
+    tpclaim.saved_by_module(config)         # what autograd keeps for backward, module by module (units of s·b·h)
+    tpclaim.tp_comm_share(hidden=12288, tp=8, flops_per_s=989e12, bandwidth=450e9)  # all-reduce / compute time
+
+Model state per rank is 16Ψ/N for ZeRO-3 over N ranks, and (16Ψ/T)/(N/T) for ZeRO-3 over N/T ranks times tensor
+parallelism over T: the same. What tensor parallelism cuts is what ZeRO never shards: the activations of the
+samples a rank computes on (it computes 1/T of every split layer), and ZeRO-3's gathered layer (1/T of it).
+"""
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from matplotlib.figure import Figure
+
+from ..config import RunConfig
+from ..records import Run
+from ..training.tasks import make_task
+from ..view import COLORS, new_figure, shown
+from .comm import ring_time
+from .parallel import collectives, held, throughput
+
+FLOPS_PER_LAYER = 72  # fwd + bwd FLOPs per layer ≈ 72·b·s·h² (Narayanan et al. 2021, attention scores left out)
+
+
+def saved_by_module(config: RunConfig) -> pd.DataFrame:
+    """What one forward (and the loss) of config's model keeps for backward, per module: tensors, bytes, and
+    bytes in units of s·b·h fp32 values (the activation formula's unit); a block's modules ("h.*") per layer.
+    "(loss)" is the cross-entropy outside the model (labkit's act_bytes counts the model's forward only).
+    One process, no ranks."""
+    task = make_task(config, 1)
+    model = task.build_model()
+    inputs, targets = task.batch(0, 0, 0)
+    stack, saved = ["(loss)"], {}
+    for name, module in model.named_modules():
+        module.register_forward_pre_hook(lambda m, a, name=name: stack.append(name or "(model)"))
+        module.register_forward_hook(lambda m, a, out: stack.pop() and None)
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        base = tensor._base if tensor._base is not None else tensor
+        if not (base.is_leaf and base.requires_grad):  # a weight is model state, not an activation
+            storage = tensor.untyped_storage()
+            saved.setdefault(storage.data_ptr(), (re.sub(r"\.h\.\d+", ".h.*", stack[-1]), storage.nbytes()))
+        return tensor
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        task.loss(model, inputs, targets)
+    df = pd.DataFrame(list(saved.values()), columns=["module", "bytes"])
+    out = df.groupby("module", sort=False).agg(tensors=("bytes", "size"), bytes=("bytes", "sum"))
+    per_layer = out.index.str.contains(r"\.h\.\*")
+    out["per"] = np.where(per_layer, "layer", "model")
+    out.loc[per_layer, ["tensors", "bytes"]] //= len(model.transformer.h)
+    out["units_of_sbh"] = out.bytes / (inputs.numel() * model.config.n_embd * 4)  # fp32 values of s·b·h
+    return out
+
+
+def memory_parts(runs: dict[str, Run]) -> pd.DataFrame:
+    """Per run, the fullest rank's memory by part (bytes): model state between steps, what ZeRO-3 gathers on top
+    during forward, activations; samples each model replica computes on per step; throughput; mesh."""
+    rows = {}
+    for label, run in runs.items():
+        got, config = held(run), run.config
+        dp, tp = config.parallel_dims
+        rows[label] = {"model_state": got.params + got.grads + got.optimizer,
+                       "gathered": got.peak_params - got.params, "activations": got.activations,
+                       "samples_per_replica": config.global_batch // dp, "dp": dp, "tp": tp,
+                       "samples_per_s": throughput(run)}
+    out = pd.DataFrame.from_dict(rows, orient="index")
+    out["total"] = out.model_state + out.gathered + out.activations
+    return out
+
+
+@shown
+def memory_bars(parts: pd.DataFrame, *, title: str = "ZeRO-3 with and without tensor parallelism") -> Figure:
+    """Left: memory per rank by part, stacked; right: throughput, one bar per run."""
+    fig = new_figure(figsize=(12, 4.2))
+    ax_mem, ax_tp = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2, 1]})
+    x = np.arange(len(parts))
+    bottom = np.zeros(len(parts))
+    for part, color in zip(("model_state", "gathered", "activations"), COLORS):
+        values = parts[part].to_numpy(float) / 2**20
+        ax_mem.bar(x, values, 0.6, bottom=bottom, color=color, label=part.replace("_", " "))
+        bottom += values
+    labels = [f"{label}\n{row.samples_per_replica:.0f} samples/replica" for label, row in parts.iterrows()]
+    ax_mem.set_xticks(x, labels, fontsize=8)
+    ax_mem.set(ylabel="MiB per rank (fullest rank)", title="memory per rank, by part")
+    ax_mem.legend(fontsize=8)
+    ax_tp.bar(x, parts.samples_per_s, 0.6, color=[COLORS[i % len(COLORS)] for i in range(len(parts))])
+    ax_tp.set_xticks(x, list(parts.index), fontsize=8)
+    ax_tp.set(ylabel="samples / s (all ranks)", title="throughput (median step)")
+    for ax in (ax_mem, ax_tp):
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title)
+    return fig
+
+
+def step_breakdown(run: Run, *, alpha: float, bandwidth: float, flops_per_s: float) -> dict[str, float]:
+    """Seconds of one step of `run`: measured (median), its all-reduces by the ring model (counted calls and bytes,
+    over the tensor-parallel group, or the data-parallel one without TP), its matmul FLOPs at `flops_per_s` (72·b·s·h²
+    per layer over T, plus 6·b·s·h·V for the LM head; b the samples per replica), and what is left."""
+    config = run.config
+    dp, tp = config.parallel_dims
+    calls, handed = collectives(run).get("all_reduce", (0, 0))
+    group = tp if tp > 1 else dp
+    reduce_s = float(calls * ring_time(handed / calls, group, alpha, bandwidth)) if calls and group > 1 else 0.0
+    model = make_task(config, 1).build_model().config
+    tokens = config.global_batch // dp * config.seq_len
+    flops = tokens * (FLOPS_PER_LAYER * model.n_embd**2 * model.n_layer / tp + 6 * model.n_embd * model.vocab_size)
+    step = config.global_batch / throughput(run)
+    return {"step": step, "all_reduces": reduce_s, "matmuls": flops / flops_per_s,
+            "everything else": step - reduce_s - flops / flops_per_s}
+
+
+def tp_comm_share(*, hidden: int, tp: int, flops_per_s: float, bandwidth: float, value_bytes: float = 2) -> float:
+    """Time of tensor parallelism's all-reduces over compute time, per layer and step, for a model big enough to be
+    bandwidth-bound: 4 all-reduces of s·b·h values (ring: 2(t-1)/t of them on each link) against 72·s·b·h²/t
+    FLOPs, which leaves (t-1)·value_bytes·F / (9·h·B):  tp_comm_share(hidden=12288, tp=8, ...)."""
+    if tp < 2:
+        return 0.0
+    comm = 4 * 2 * (tp - 1) / tp * value_bytes / bandwidth          # seconds per s·b·h
+    compute = FLOPS_PER_LAYER * hidden / tp / flops_per_s           # seconds per s·b·h
+    return comm / compute
+
+
+def matmul_flops(size: int = 256, seconds: float = 0.3) -> float:
+    """FLOP/s of one fp32 thread here, from square matmuls (what one rank computes with):  matmul_flops()."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        a @ b  # warm-up
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            a @ b
+            count += 1
+        return 2 * size**3 * count / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def describe(parts: pd.DataFrame, before: str, after: str) -> dict[str, Any]:
+    """How `after` compares with `before` (two rows of memory_parts): ratios of each part, of the total, of speed."""
+    a, b = parts.loc[before], parts.loc[after]
+    ratios = {part: b[part] / a[part] for part in ("model_state", "activations", "total", "samples_per_s")}
+    ratios["gathered"] = b.gathered / a.gathered if a.gathered else np.nan
+    return ratios
