@@ -41,7 +41,9 @@ POWERSGD_MIN_COMPRESSION = 2.0  # compress a matrix only when that at least halv
 # The collectives that move data, each with the argument that holds what this rank hands over.
 COUNTED = {"all_reduce": "tensor", "all_reduce_coalesced": "tensors", "broadcast": "tensor", "reduce": "tensor",
            "all_gather": "tensor", "all_gather_into_tensor": "input_tensor", "reduce_scatter": "input_list",
-           "reduce_scatter_tensor": "input", "all_to_all_single": "input"}
+           "reduce_scatter_tensor": "input", "all_to_all_single": "input",
+           # torch 2.13's names for the tensor forms (FSDP2 calls these); older torches lack them
+           "all_gather_single": "input_tensor", "reduce_scatter_single": "input"}
 
 
 class CollectiveCounter:
@@ -60,11 +62,14 @@ class CollectiveCounter:
         self.bytes = 0
         self._lock = threading.Lock()
         self._paused = False
+        self._inside = threading.local()  # this thread is inside a counted collective
         self._restore: list[tuple[Any, str, Callable[..., Any]]] = []
 
     def __enter__(self) -> "CollectiveCounter":
         for op, argument in COUNTED.items():
-            original = getattr(dist, op)
+            original = getattr(dist, op, None)
+            if original is None:
+                continue
             wrapped = self._wrap(original, argument)
             for module in (dist, distributed_c10d):
                 if getattr(module, op, None) is original:
@@ -98,13 +103,19 @@ class CollectiveCounter:
 
         @functools.wraps(original)
         def counted(*args: Any, **kwargs: Any) -> Any:
+            if getattr(self._inside, "call", False):  # a collective torch implements with another one
+                return original(*args, **kwargs)  # (all_gather_into_tensor calls all_gather_single): count once
             bound = signature.bind(*args, **kwargs)
             if not self._paused and dist.get_world_size(bound.arguments.get("group")) > 1:
                 sent = payload_bytes(bound.arguments[argument])
                 with self._lock:
                     self.calls += 1
                     self.bytes += sent
-            return original(*args, **kwargs)
+            self._inside.call = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._inside.call = False
         return counted
 
 
