@@ -28,8 +28,9 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 STRATEGIES = ("ddp",)  # later lessons add "zero", "fsdp", ...
 COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd")
-FAULT_KINDS = ("raise", "segfault", "hang", "nan", "exit", "bad_batch")
+FAULT_KINDS = ("raise", "segfault", "hang", "nan", "exit", "bad_batch", "kill_in_save")
 NAN_POLICIES = ("raise", "alone", "stop", "skip", "ignore")
+CHECKPOINT_FORMATS = ("auto", "full", "dcp")
 
 
 class ConfigError(ValueError):
@@ -52,7 +53,8 @@ class Fault:
 
     kinds: "raise" (a Python exception), "segfault" (SIGSEGV), "hang" (sleep forever), "nan" (a NaN loss),
     "exit" (os._exit(3), a rank that vanishes without a traceback), "bad_batch" (that rank's batch of that step
-    is corrupted: labels shuffled, float inputs scaled up; see training/faults.py).
+    is corrupted: labels shuffled, float inputs scaled up; see training/faults.py), "kill_in_save" (SIGKILL half-way
+    through writing that rank's part of the checkpoint saved after that step: training/checkpoint.py).
     """
 
     kind: str
@@ -153,6 +155,20 @@ class RunConfig:
     persistent_workers: bool = False
     prefetch_factor: int = 2
     """Batches each DataLoader worker prepares ahead."""
+    checkpoint_every: int = 0
+    """Save a checkpoint under runs/<id>/checkpoints/ after every this many steps (0: never): model, optimizer,
+    GradScaler and plateau state, every rank's RNG streams, the data position and the step, written atomically
+    (training/checkpoint.py). A run that finds a checkpoint in its directory resumes from it: launch(...,
+    resume_from=...) and launch(..., max_restarts=N) rely on that, and so does torchrun --max-restarts."""
+    checkpoint_keep: int = 2
+    """How many of the newest checkpoints to keep (older ones are deleted once a newer one is complete)."""
+    checkpoint_format: str = "auto"
+    """How model and optimizer state are written: "full" (one file, written by rank 0: every rank holds all of
+    it, as under DDP), "dcp" (torch.distributed.checkpoint: each rank writes what it holds; what sharded
+    strategies need), "auto" (full for replicated strategies, dcp for sharded ones)."""
+    dropout: float = 0.0
+    """tinylm: dropout probability of GPT-2's embeddings, attention and residual paths. Dropout masks come from
+    each rank's torch generator: state that a checkpoint must carry for a resumed run to match an uninterrupted one."""
     seq_len: int = 32
     """tinylm: tokens per sample."""
     vocab_size: int = 64
@@ -226,6 +242,9 @@ class RunConfig:
                 if getattr(self, name):
                     out.append(f"RunConfig.{name} = {getattr(self, name)!r}: the DataLoader pipeline exists for task "
                                f"'digits' only (RunConfig.task = {self.task!r}); leave it at 0")
+        if self.dropout and self.task != "tinylm":
+            out.append(f"RunConfig.dropout = {self.dropout!r}: dropout exists for task 'tinylm' only "
+                       f"(RunConfig.task = {self.task!r}); leave it at 0")
         if self.branching > self.vocab_size:
             out.append(f"RunConfig.branching = {self.branching}: must be at most RunConfig.vocab_size = "
                        f"{self.vocab_size}")
@@ -303,6 +322,8 @@ RULES: dict[str, Rule] = {
     "data_workers": integer(0), "sample_cost_ms": number(0.0), "pin_memory": boolean, "persistent_workers": boolean,
     "prefetch_factor": integer(1), "seq_len": integer(2), "vocab_size": integer(2), "branching": integer(1),
     "eval_every": integer(0), "nan_policy": one_of(*NAN_POLICIES), "tensorboard": boolean, "save_final": boolean, "name": text,
+    "checkpoint_every": integer(0), "checkpoint_keep": integer(1), "checkpoint_format": one_of(*CHECKPOINT_FORMATS),
+    "dropout": number(0.0, high=0.9),
 }
 """The rule each field's value must pass (labkit.rules); faults are checked by their own shape and ranges."""
 
