@@ -161,3 +161,13 @@ def test_the_wrong_types_a_user_met_are_named(changes):
     field = next(iter(changes))
     with pytest.raises(ConfigError, match=rf"RunConfig\.{field}"):
         RunConfig.from_dict(changes) if field == "faults" else RunConfig(**changes)
+
+
+def test_checkpoint_fields_and_dropout_are_checked():
+    assert RunConfig(checkpoint_every=5, checkpoint_keep=1, checkpoint_format="dcp", dropout=0.1).checkpoint_every == 5
+    for changes, field in (({"checkpoint_every": -1}, "checkpoint_every"), ({"checkpoint_keep": 0}, "checkpoint_keep"),
+                           ({"checkpoint_format": "pickle"}, "checkpoint_format"), ({"dropout": 1.0}, "dropout")):
+        with pytest.raises(ConfigError, match=rf"RunConfig\.{field}"):
+            RunConfig(**changes)
+    with pytest.raises(ConfigError, match="dropout exists for task 'tinylm' only"):
+        RunConfig(task="digits", dropout=0.1)

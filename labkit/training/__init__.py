@@ -10,6 +10,9 @@
     amp.py         mixed precision: autocast, and whether GradScaler let each optimizer step happen
     faults.py      failures injected on purpose
     seeding.py     seeds, RNG fingerprints, determinism switches
+    checkpoint.py  checkpoints on disk: atomic saves, finding the newest complete one, weights_only loading
+    resume.py      what the loop saves and restores (model, optimizer, RNG streams, data position), exactly
+    sharded.py     model and optimizer state through torch.distributed.checkpoint, read without pickle
 
 Nothing here knows how it was started (labkit's launcher or torchrun) or how it will be shown.
 """

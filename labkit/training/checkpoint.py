@@ -27,8 +27,9 @@ a saving process at every one of these steps, and at random times).
 
 Reading: `find` takes the newest complete step_* directory: the one `latest` names, except between the rename and
 the replacement of `latest` (then the newer one), or when `latest` names one that is gone (it says so). `latest` is
-for people and other tools. Files are read with torch.load(weights_only=True): tensors, numbers, strings, lists, tuples and dicts
-only. A file holding any other pickled object is refused before that object is built, so its code never runs.
+for people and other tools. Files are read with torch.load(weights_only=True): tensors, numbers, strings, lists,
+tuples and dicts only. A file holding any other pickled object is refused before that object is built, so its code
+never runs.
 """
 from __future__ import annotations
 

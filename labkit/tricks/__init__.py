@@ -10,6 +10,9 @@
     sharding.py    data sharding: DistributedSampler's traps, Join                 (lesson 07)
     stability.py   loss spikes and NaNs: what each rank saw, nan_policy, clipping  (lesson 09)
     schedules.py   LR schedules: recorded vs the schedule, ranks' agreement, warmup (lesson 10)
+    recovery.py    checkpoints: what is on disk, broken resumes, restarts, how often  (lesson 13)
+    chaos.py       killing a rank from outside, mid-step                           (lesson 13)
+    swallow.py     `except Exception: continue` around a distributed step          (lesson 13)
     memory.py      ZeRO's model-state formulas (also labkit.memory)                (lesson 14)
     exercises/     build DDP and ZeRO yourself: references, checkers on real ranks (lessons 16, 17)
 

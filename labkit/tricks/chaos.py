@@ -1,11 +1,11 @@
 """Killing a rank from outside, mid-step, the way a node failure or the kernel's OOM killer does.
 
-    with KillRank(rank=1, at_steps=[7], runs_root=root) as killer:     # watches the next run that appears there
-        labkit.launch(cfg, runs_root=root)                             # -> RankFailure: rank 1 ... SIGKILL
+    with KillRank(rank=1, at_steps=[7]) as killer:     # watches the next run launch() makes (runs_root: where)
+        labkit.launch(cfg)                             # -> RankFailure: rank 1 ... SIGKILL
     killer.kills       # [{"attempt": 0, "step": 7, "pid": 4242, "last_recorded": 6, ...}]
 
-    with KillRank(rank=1, at_steps=[5, 9], runs_root=root):            # one kill per attempt: 0 at step 5, 1 at 9
-        run = labkit.launch(cfg, runs_root=root, max_restarts=2)
+    with KillRank(rank=1, at_steps=[5, 9]):            # one kill per attempt: attempt 0 at step 5, 1 at 9
+        run = labkit.launch(cfg, max_restarts=2)
 
     with KillRank(rank=1, at_steps=range(2, 12), run_dir=job_dir):     # a torchrun job writing to job_dir
         subprocess.run(["torchrun", "--max-restarts", "10", ...])
@@ -13,9 +13,10 @@
 Nothing inside the rank cooperates: a thread in this process reads the rank's records as they are written, and when
 attempt i has recorded step at_steps[i] - 1 it waits about half a step (so the rank is inside step at_steps[i]) and
 sends SIGKILL to the process that holds rank<r>.jsonl open for appending (a DataLoader worker holding it by
-inheritance is told apart by its parent). SIGKILL cannot be caught: no exception, no finally, no flush, exactly like the real thing.
-The rank may be caught a step later than asked when steps are shorter than the watcher's reaction time;
-`kills` says where it was really caught (the step the launcher reports is the authority).
+inheritance is told apart by its parent). SIGKILL cannot be caught: no exception, no finally, no flush, exactly like
+the real thing. The rank may be caught a step later than asked when steps are shorter than the watcher's reaction
+time, or inside the checkpoint saved after step at_steps[i] - 1 when there is one; `kills` says what the watcher saw
+(the step the launcher reports is the authority).
 """
 from __future__ import annotations
 
@@ -38,8 +39,10 @@ class KillRank:
 
     def __init__(self, *, rank: int, at_steps: Iterable[int], run_dir: str | Path | None = None,
                  runs_root: str | Path | None = None, timeout_s: float = 600.0):
-        if (run_dir is None) == (runs_root is None):
-            raise ValueError("pass run_dir (a known run directory) or runs_root (the next run made there)")
+        if run_dir is not None and runs_root is not None:
+            raise ValueError("pass run_dir (a known run directory) or runs_root (the next run made there), not both")
+        if run_dir is None and runs_root is None:
+            runs_root = os.environ.get("LABKIT_RUNS", "runs")  # where launch() puts runs by default
         self.rank, self.at_steps = rank, [int(s) for s in at_steps]
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.runs_root = Path(runs_root) if runs_root is not None else None

@@ -9,6 +9,8 @@ parts from the run it should continue, what restarts cost, and how often to save
     recovery.restarts_figure(run)                # one continuous loss curve, restarts marked, downtime per restart
     recovery.save_costs(run)                     # seconds and bytes per save, step time without and after a save
     recovery.young_daly(save_s=0.05, mtbf_s=4 * 3600)   # the checkpoint interval that loses least (seconds)
+    recovery.interval_figure(save_s=0.05, step_s=0.03, mtbf_s=3600)   # time lost against the interval
+    recovery.contents(found / "rank0.pt")         # what one checkpoint file holds, as {key: "tensor uint8[5056]"}
 
 Killing a rank from outside is tricks/chaos.py (KillRank); the `except Exception: continue` recipe is
 tricks/swallow.py.
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import pandas as pd
+import torch
 from matplotlib.figure import Figure
 
 from ..records import Run
@@ -45,6 +48,20 @@ def on_disk(run: Run | str | Path) -> pd.DataFrame:
                      "why_not": why or "", "files": ", ".join(f"{k} ({v:,} B)" for k, v in files.items()),
                      "bytes": sum(files.values())})
     return pd.DataFrame(rows)
+
+
+def contents(path: str | Path) -> dict[str, str]:
+    """What a checkpoint file holds, one line per leaf:  contents(step_dir / "rank0.pt")["rng.torch"]."""
+    def walk(value: Any, prefix: str) -> dict[str, str]:
+        if isinstance(value, dict):
+            return {k: v for key, item in value.items() for k, v in walk(item, f"{prefix}.{key}" if prefix else
+                                                                          str(key)).items()} or {prefix: "{}"}
+        if isinstance(value, torch.Tensor):
+            return {prefix: f"tensor {str(value.dtype).removeprefix('torch.')}{list(value.shape)}"}
+        if isinstance(value, (list, tuple)) and len(value) > 4:
+            return {prefix: f"{type(value).__name__} of {len(value)}"}
+        return {prefix: repr(value)}
+    return walk(load_file(Path(path)), "")
 
 
 def forgetting(run: Run | str | Path, *pieces: str) -> Path:
@@ -92,9 +109,10 @@ def resume_figure(reference: Run, killed: Run, resumed: Sequence[Run], labels: S
     ax_loss.plot(cut["step"], cut["loss"], color="gray", marker="x", markersize=4, linewidth=1, label="killed run")
     gaps = parting(reference, resumed, labels)
     floor = 1e-9  # bit-for-bit equal steps sit on the bottom edge of the log axis
-    for run, label, color in zip(resumed, labels, COLORS):
+    for i, (run, label, color) in enumerate(zip(resumed, labels, COLORS)):
         mine = run.steps()
-        ax_loss.plot(mine["step"], mine["loss"], color=color, linewidth=1.2, label=f"resumed: {label}")
+        ax_loss.plot(mine["step"], mine["loss"], color=color, linewidth=1.5, linestyle="--" if i == 0 else "-",
+                     label=f"resumed: {label}", zorder=3 if i == 0 else 2)
         gap = gaps[label].dropna()
         ax_gap.plot(gap.index, gap.clip(lower=floor), "o-", color=color, markersize=3, label=label)
     for ax in (ax_loss, ax_gap):
@@ -120,7 +138,10 @@ def restarts_figure(run: Run, title: str | None = None) -> Figure:
     every = every.assign(attempt=every["attempt"].fillna(0) if "attempt" in every else 0)
     for attempt, rows in every.groupby("attempt"):
         mean = rows.groupby("step")["loss"].mean()
-        ax_loss.plot(mean.index, mean.values, color=COLORS[int(attempt) % len(COLORS)], linewidth=4, alpha=0.3)
+        color = COLORS[int(attempt) % len(COLORS)]
+        ax_loss.plot(mean.index, mean.values, color=color, linewidth=6, alpha=0.35)
+        if attempt < every["attempt"].max():  # where this attempt's last record is: it died in the next step
+            ax_loss.plot(mean.index[-1], mean.values[-1], "x", color="red", markersize=9, markeredgewidth=2)
     steps = run.steps()
     ax_loss.plot(steps["step"], steps["loss"], color="black", linewidth=1, label="the run (one curve)")
     attempts = run.attempts()
@@ -128,7 +149,8 @@ def restarts_figure(run: Run, title: str | None = None) -> Figure:
         ax_loss.axvline(row["first_step"], color="red", linestyle=":", linewidth=1)
         ax_loss.annotate(f"restart {attempt}", (row["first_step"], 1.0), xycoords=("data", "axes fraction"),
                          rotation=90, va="top", ha="right", fontsize=8, color="red")
-    ax_loss.set(xlabel="step", ylabel="loss", title="loss through the crashes (faint: each attempt's own records)")
+    ax_loss.set(xlabel="step", ylabel="loss",
+                title="loss through the crashes (faint: each attempt's records; x: its last before the crash)")
     ax_loss.grid(alpha=0.3)
     ax_loss.legend(fontsize=8)
     restarted = attempts.iloc[1:]
@@ -170,6 +192,28 @@ def young_daly(save_s: float, mtbf_s: float) -> dict[str, float]:
 
 
 def expected_overhead(interval_s: float, save_s: float, mtbf_s: float, restart_s: float = 0.0) -> float:
-    """The fraction of time lost, to first order: saving (C / tau), half an interval redone per failure
-    (tau / 2M), and the restart itself (R / M):  expected_overhead(60, 0.05, 14400, restart_s=5)."""
+    """Seconds lost per second of useful work, to first order: saving (C / tau), half an interval redone per
+    failure (tau / 2M), and the restart itself (R / M):  expected_overhead(60, 0.05, 14400, restart_s=5)."""
     return save_s / interval_s + (interval_s / 2 + restart_s) / mtbf_s
+
+
+@shown
+def interval_figure(save_s: float, step_s: float, mtbf_s: float, restart_s: float = 0.0) -> Figure:
+    """The fraction of time lost (expected_overhead) against the checkpoint interval in steps, for a save of
+    save_s seconds, steps of step_s, failures every mtbf_s on average; Young's and Daly's intervals marked."""
+    import numpy as np
+    fig = new_figure(figsize=(7.5, 4.2))
+    ax = fig.subplots()
+    steps = np.unique(np.logspace(0, math.log10(max(10.0, 20 * mtbf_s / step_s)), 400).astype(int))
+    lost = [expected_overhead(n * step_s, save_s, mtbf_s, restart_s) for n in steps]
+    ax.plot(steps, lost, color="black")
+    for (name, seconds), color in zip(young_daly(save_s, mtbf_s).items(), COLORS):
+        n = seconds / step_s
+        ax.axvline(n, color=color, linestyle=":", label=f"{name}: every {n:,.0f} steps "
+                   f"({expected_overhead(seconds, save_s, mtbf_s, restart_s):.2%} lost)")
+    ax.set(xscale="log", yscale="log", xlabel="steps between checkpoints",
+           ylabel="seconds lost per second of training",
+           title=f"save {save_s * 1e3:.0f} ms, step {step_s * 1e3:.0f} ms, a failure every {mtbf_s / 3600:g} h")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return fig

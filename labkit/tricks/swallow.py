@@ -1,8 +1,7 @@
 """The folklore recipe `try: step() except Exception: continue` around a distributed step, run for real (lesson 13).
 
-    hang = functools.partial(swallowing_loop, fails="data")
-    labkit.launch(hang, world_size=2, timeout=3)        # -> RankFailure: a hang, ended by the watchdog
-    drift = labkit.launch(functools.partial(swallowing_loop, fails="optimizer"), world_size=2)   # finishes
+    labkit.launch(recipe(fails="data"), world_size=2, timeout=3)      # -> RankFailure: a hang, ended by the watchdog
+    drift = labkit.launch(recipe(fails="optimizer"), world_size=2)    # finishes
     divergence(drift)                                   # per step: max |rank 1's parameters - rank 0's|
 
 Rank 1 raises once, at `bad_step`, inside the guarded block; the recipe swallows the exception and goes on with
@@ -20,6 +19,7 @@ not the recipe's: it issues no collective, so it changes nothing the ranks do.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pandas as pd
@@ -30,10 +30,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import RunConfig
 from ..records import Run
-from ..training.tasks import make_task
+from ..training.tasks import make_task, preload
 from ..view import COLORS, new_figure, shown
 
 FAILS = ("data", "optimizer")
+
+
+def recipe(*, fails: str = "data", bad_step: int = 3, steps: int = 10) -> Any:
+    """swallowing_loop with these settings, as a function to launch; the digits data are loaded here first, so
+    that forked ranks do not spend a short watchdog's seconds importing scikit-learn."""
+    if fails not in FAILS:
+        raise ValueError(f"fails = {fails!r}: must be one of {', '.join(FAILS)}")
+    preload(RunConfig(task="digits"))
+    return functools.partial(swallowing_loop, fails=fails, bad_step=bad_step, steps=steps)
 
 
 def swallowing_loop(ctx: Any, *, fails: str = "data", bad_step: int = 3, steps: int = 10) -> None:
