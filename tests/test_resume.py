@@ -118,10 +118,14 @@ def test_resuming_from_nothing_or_with_another_world_size_is_refused(reference, 
     with pytest.raises(RankFailure, match="was written by 2 ranks; this run has 1"):
         launch(CONFIG.replace(world_size=1), resume_from=reference, runs_root=runs_root, echo=False)
     assert issubclass(CheckpointError, RuntimeError) and labkit.launch is launch
+    changed = launch(CONFIG.replace(lr=0.01, steps=CONFIG.steps + 1), resume_from=reference, runs_root=runs_root,
+                     echo=False)
+    assert "differs from the one that wrote step_000013: lr 0.003 -> 0.01" in changed.log(0)
+    assert changed.df["step"].tolist() == [CONFIG.steps, CONFIG.steps]
 
 
 def test_gradscaler_and_plateau_state_resume_bit_for_bit(runs_root, no_leftovers):
-    config = RunConfig(world_size=2, steps=16, checkpoint_every=4, checkpoint_keep=4, precision="fp16",
+    config = RunConfig(world_size=2, steps=11, checkpoint_every=4, checkpoint_keep=4, precision="fp16",
                        schedule="plateau", eval_every=1, plateau_patience=0, lr=0.1, tensorboard=False)
     first = launch(config, runs_root=runs_root, echo=False)
     resumed = launch(config, resume_from=first.path / "checkpoints" / "step_000007", runs_root=runs_root, echo=False)

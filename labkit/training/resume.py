@@ -112,11 +112,19 @@ class Recovery:
                 "Each rank's RNG streams and data position are its own: resume with world_size="
                 f"{manifest.get('world_size')} (resharding the model state to another world size is what "
                 "torch.distributed.checkpoint can do, but the per-rank streams would not continue)")
+        saved = manifest.get("config") or {}
+        changed = [f"{k} {saved[k]!r} -> {v!r}" for k, v in self.config.to_dict().items()
+                   if k in saved and k not in NOT_COMPARED and saved[k] != v]
+        if changed and self.ctx.rank == 0:
+            print(f"labkit: this run's config differs from the one that wrote {found.name}: {'; '.join(changed)}. "
+                  "It continues from the checkpoint, but it is not the same run")
         if manifest.get("state_format") not in STATE_FORMATS:
             raise CheckpointError(f"{found}: unknown state_format {manifest.get('state_format')!r}; known: "
                                   f"{', '.join(STATE_FORMATS)}")
 
 
+NOT_COMPARED = {"steps", "name", "faults", "checkpoint_every", "checkpoint_keep", "checkpoint_format", "tensorboard",
+                "save_final"}  # settings a resumed run may change without training differently
 MISSING = {"rng": "RNG state (the random streams restart from the seed)",
            "data": "data position (the data stream restarts from its first batch)"}
 
