@@ -3,6 +3,8 @@
     python -m labkit run config.json                          # launches the ranks itself (like a notebook)
     torchrun --nproc-per-node 2 -m labkit run config.json --run-dir runs/job1
                                                               # one rank per torchrun process (many nodes too)
+    torchrun --nproc-per-node 2 --max-restarts 3 -m labkit run config.json --run-dir runs/job1
+                                                              # restarts resume from runs/job1/checkpoints/
     python -m labkit show runs/job1                           # summary table; the failure report if it failed
     python -m labkit compare runs/a runs/b -o ab.png          # the side-by-side figure, to a file
 
@@ -83,7 +85,12 @@ def describe(run) -> str:
 
 
 def run_under_torchrun(config: RunConfig, run_dir: Path | None, timeout: float) -> int:
-    """This process is one rank that torchrun started: join its group, train, record, leave."""
+    """This process is one rank that torchrun started: join its group, train, record, leave.
+
+    Restarts (torchrun --max-restarts): every attempt's records go to the same run directory, tagged with
+    TORCHELASTIC_RESTART_COUNT, and the loop resumes from the newest checkpoint there (RunConfig.checkpoint_every;
+    the same command run again later continues the job too). The process group is built on a store of this
+    attempt's own (elastic_store): restarted gloo groups built on the agent's shared store failed or hung here."""
     import torch
     import torch.distributed as dist
     from .records import RankRecorder, write_meta, write_tensorboard
@@ -100,8 +107,9 @@ def run_under_torchrun(config: RunConfig, run_dir: Path | None, timeout: float) 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
-    if rank == 0:
+    dist.init_process_group(backend, store=elastic_store(rank, world, timedelta(seconds=timeout)), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout))
+    if rank == 0 and not (run_dir / "meta.json").exists():  # a restart keeps the first attempt's
         config.save(run_dir / "config.json")
         write_meta(run_dir, name=config.label, world_size=world, start_method="torchrun")
     recorder = RankRecorder(run_dir, rank)
@@ -115,6 +123,24 @@ def run_under_torchrun(config: RunConfig, run_dir: Path | None, timeout: float) 
         if config.tensorboard:
             write_tensorboard(run_dir, ranks=[rank])  # each rank converts its own records, after training
     return 0
+
+
+def elastic_store(rank: int, world: int, timeout: timedelta):
+    """The rendezvous store of this attempt: torchrun's TCPStore (MASTER_ADDR:MASTER_PORT) under a prefix of its own.
+
+    torchrun's agent keeps one store for the whole job and tells restarted ranks to reuse it; the process group's
+    keys in it do not change between attempts, so a restarted gloo group could read the previous attempt's addresses
+    (`connectFullMesh ... Connection refused`) or wait on keys already consumed (a hang): in one probe of 10
+    restarts on this 2-core machine (torch 2.13, gloo, plain env:// init), 5 failed that way. Under a prefix per
+    attempt (TORCHELASTIC_RESTART_COUNT) the same probe had none fail, and tests/test_resume.py restarts labkit's
+    loop 10 times in a row. Without the agent's store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), rank 0 hosts it."""
+    import torch.distributed as dist
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        base = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    else:
+        base = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout, multi_tenant=True)
+    return dist.PrefixStore(f"labkit/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", base)
 
 
 if __name__ == "__main__":

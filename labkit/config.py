@@ -32,6 +32,7 @@ TP_STRATEGIES = ("tp", "fsdp+tp")
 TP_DEGREES = (1, 2, 4)  # divide the attention heads of every tinylm size (4, 4, 8)
 COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd")
 NAN_POLICIES = ("raise", "alone", "stop", "skip", "ignore")
+CHECKPOINT_FORMATS = ("auto", "full", "dcp")
 
 
 class ConfigError(ValueError):
@@ -128,6 +129,20 @@ class RunConfig:
     persistent_workers: bool = False
     prefetch_factor: int = 2
     """Batches each DataLoader worker prepares ahead."""
+    checkpoint_every: int = 0
+    """Save a checkpoint under runs/<id>/checkpoints/ after every this many steps (0: never): model, optimizer,
+    GradScaler and plateau state, every rank's RNG streams, the data position and the step, written atomically
+    (training/checkpoint.py). A run that finds a checkpoint in its directory resumes from it: launch(...,
+    resume_from=...) and launch(..., max_restarts=N) rely on that, and so does torchrun --max-restarts."""
+    checkpoint_keep: int = 2
+    """How many of the newest checkpoints to keep (older ones are deleted once a newer one is complete)."""
+    checkpoint_format: str = "auto"
+    """How model and optimizer state are written: "full" (one file, written by rank 0: every rank holds all of
+    it, as under DDP), "dcp" (torch.distributed.checkpoint: each rank writes what it holds; what sharded
+    strategies need), "auto" (full for replicated strategies, dcp for sharded ones)."""
+    dropout: float = 0.0
+    """tinylm: dropout probability of GPT-2's embeddings, attention and residual paths. Dropout masks come from
+    each rank's torch generator: state that a checkpoint must carry for a resumed run to match an uninterrupted one."""
     seq_len: int = 32
     """tinylm: tokens per sample."""
     vocab_size: int = 64
@@ -207,6 +222,9 @@ class RunConfig:
                 if getattr(self, name):
                     out.append(f"RunConfig.{name} = {getattr(self, name)!r}: the DataLoader pipeline exists for task "
                                f"'digits' only (RunConfig.task = {self.task!r}); leave it at 0")
+        if self.dropout and self.task != "tinylm":
+            out.append(f"RunConfig.dropout = {self.dropout!r}: dropout exists for task 'tinylm' only "
+                       f"(RunConfig.task = {self.task!r}); leave it at 0")
         if self.branching > self.vocab_size:
             out.append(f"RunConfig.branching = {self.branching}: must be at most RunConfig.vocab_size = "
                        f"{self.vocab_size}")
@@ -308,5 +326,7 @@ RULES: dict[str, Rule] = {
     "data_workers": integer(0), "sample_cost_ms": number(0.0), "pin_memory": boolean, "persistent_workers": boolean,
     "prefetch_factor": integer(1), "seq_len": integer(2), "vocab_size": integer(2), "branching": integer(1),
     "eval_every": integer(0), "nan_policy": one_of(*NAN_POLICIES), "tensorboard": boolean, "save_final": boolean, "name": text,
+    "checkpoint_every": integer(0), "checkpoint_keep": integer(1), "checkpoint_format": one_of(*CHECKPOINT_FORMATS),
+    "dropout": number(0.0, high=0.9),
 }
 """The rule each field's value must pass (labkit.rules); faults are checked by their own shape and ranges."""

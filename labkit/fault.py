@@ -13,7 +13,7 @@ from typing import Any
 
 from .rules import is_int, number, shown
 
-FAULT_KINDS = ("raise", "segfault", "hang", "nan", "exit", "bad_batch", "slow")
+FAULT_KINDS = ("raise", "segfault", "hang", "nan", "exit", "bad_batch", "slow", "kill_in_save")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,7 +23,9 @@ class Fault:
     kinds: "raise" (a Python exception), "segfault" (SIGSEGV), "hang" (sleep forever), "nan" (a NaN loss),
     "exit" (os._exit(3), a rank that vanishes without a traceback), "bad_batch" (that rank's batch of that step
     is corrupted: labels shuffled, float inputs scaled up; see training/faults.py), "slow" (a straggler: the rank
-    sleeps delay_s at the start of every step from `step` on:  Fault(kind="slow", rank=1, step=0, delay_s=0.02)).
+    sleeps delay_s at the start of every step from `step` on:  Fault(kind="slow", rank=1, step=0, delay_s=0.02)),
+    "kill_in_save" (SIGKILL half-way through writing that rank's part of the checkpoint saved after that step:
+    training/checkpoint.py).
     """
 
     kind: str

@@ -11,6 +11,13 @@ On disk, one directory per run (the same layout under labkit's launcher and unde
     runs/<run-id>/failure.txt          the launcher's failure report (meta.json's outcome says how the run ended)
     runs/<run-id>/tb/rank<r>/          TensorBoard events, written from the records when the run ends
     runs/<run-id>/final/rank<r>.pt     final parameters (RunConfig.save_final)
+    runs/<run-id>/checkpoints/         checkpoints (RunConfig.checkpoint_every; training/checkpoint.py)
+    runs/<run-id>/attempts/<a>/        a restarted run's earlier attempts: their logs, error files, failure report
+
+A run that restarted (launch(..., max_restarts=N), torchrun --max-restarts) appends every attempt's records to
+the same files, each record saying which `attempt` wrote it; a restarted attempt records again the steps after the
+checkpoint it resumed from, and those records supersede the earlier attempt's (Run.df shows one continuous run,
+Run.attempts() what each attempt did).
 
 Reading:
     run = labkit.load_run("runs/tinylm-w2-...")
@@ -30,6 +37,15 @@ from typing import Any
 import pandas as pd
 
 FAILURE_MARKER = "labkit: this rank failed"  # heads the traceback in a rank's log (the live echo stops there)
+ATTEMPT_ENV = "LABKIT_ATTEMPT"  # set by labkit's launcher for runs that may restart; torchrun sets its own
+
+
+def current_attempt() -> int | None:
+    """Which attempt of a restartable run this process is (0 first): LABKIT_ATTEMPT, set by launch(...,
+    max_restarts=N), or torchrun's TORCHELASTIC_RESTART_COUNT; None when neither is set."""
+    import os
+    value = os.environ.get(ATTEMPT_ENV, os.environ.get("TORCHELASTIC_RESTART_COUNT"))
+    return int(value) if value not in (None, "") else None
 
 
 class RankRecorder:
@@ -45,11 +61,16 @@ class RankRecorder:
 
     def __init__(self, run_dir: Path, rank: int):
         self.rank = rank
+        self.attempt = current_attempt()
+        path = Path(run_dir) / f"rank{rank}.jsonl"
         # Line-buffered: each record reaches the file when written, so a crashed rank loses nothing.
-        self._file = open(Path(run_dir) / f"rank{rank}.jsonl", "a", buffering=1)
+        self._file = open(path, "a", buffering=1)
+        if path.stat().st_size and _last_byte(path) != b"\n":
+            self._file.write("\n")  # a killed attempt's last line was cut short: the next record starts afresh
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps({"rank": self.rank, **record}, allow_nan=True) + "\n")
+        tag = {"attempt": self.attempt} if self.attempt is not None else {}
+        self._file.write(json.dumps({"rank": self.rank, **tag, **record}, allow_nan=True) + "\n")
 
     def close(self) -> None:
         self._file.close()
@@ -70,11 +91,24 @@ def write_tensorboard(run_dir: Path, ranks: list[int] | None = None) -> None:
         out = run_dir / "tb" / f"rank{rank}"
         shutil.rmtree(out, ignore_errors=True)
         with SummaryWriter(log_dir=str(out)) as writer:
-            for record in read_jsonl(path):
+            for record in current_records(read_jsonl(path)):
                 for key, value in record.items():
                     if key not in ("rank", "step", "time") and isinstance(value, (int, float)) \
                             and not isinstance(value, bool):
                         writer.add_scalar(key, value, record.get("step", 0), walltime=record.get("time"))
+
+
+def current_records(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records a restarted run stands by: for each (rank, step), the one of the latest attempt that recorded
+    it (records without an attempt count as attempt 0). Runs that never restarted come back unchanged."""
+    if not any("attempt" in r for r in rows):
+        return rows
+    latest: dict[tuple[Any, Any], dict[str, Any]] = {}
+    for row in rows:
+        key = (row.get("rank"), row.get("step"))
+        if key not in latest or (row.get("attempt") or 0) >= (latest[key].get("attempt") or 0):
+            latest[key] = row
+    return list(latest.values())
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -122,9 +156,11 @@ class Run:
             self._df = self.read_records()
         return self._df
 
-    def read_records(self) -> pd.DataFrame:
-        """Read the records now (also while the run is going; `df` caches this)."""
+    def read_records(self, superseded: bool = False) -> pd.DataFrame:
+        """Read the records now (also while the run is going; `df` caches this). A restarted run's records that a
+        later attempt recorded again are left out unless `superseded` (see the module docstring)."""
         rows = [r for f in sorted(self.path.glob("rank*.jsonl")) for r in read_jsonl(f)]
+        rows = rows if superseded else current_records(rows)
         if not rows:
             return pd.DataFrame(columns=["rank", "step"])
         return pd.DataFrame(rows).sort_values(["step", "rank"], kind="stable").reset_index(drop=True)
@@ -163,6 +199,25 @@ class Run:
         lrs = self.df.dropna(subset=["lr"]).groupby("step")["lr"].nunique() if "lr" in self.df else None
         differ = [] if lrs is None else lrs.index[lrs > 1]
         return int(differ[0]) if len(differ) else None
+
+    def attempts(self) -> pd.DataFrame:
+        """One row per attempt (a run that never restarted has one): the first and last step it recorded and when,
+    the failure that ended it (meta.json), and for each restart the time from the last record before the failure to
+    the first record after it (`downtime_s`) and the steps recorded twice (`redone_steps`, work the failure cost).
+    An attempt that failed before recording anything has its failure and no steps."""
+        df = self.read_records(superseded=True)
+        noted = {a["attempt"]: a for a in _read_json(self.path / "meta.json").get("attempts", [])}
+        if df.empty:
+            df = pd.DataFrame(columns=["attempt", "step", "time"])
+        df = df.assign(attempt=df["attempt"].fillna(0).astype(int)) if "attempt" in df else df.assign(attempt=0)
+        g = df.groupby("attempt")
+        out = pd.DataFrame({"first_step": g["step"].min(), "last_step": g["step"].max(),
+                            "started": g["time"].min(), "ended": g["time"].max()})
+        out = out.reindex(sorted(set(out.index) | set(noted))).rename_axis("attempt")
+        out["downtime_s"] = out["started"] - out["ended"].ffill().shift()
+        out["redone_steps"] = out["last_step"].ffill().shift() - out["first_step"] + 1
+        out["failure"] = [noted.get(a, {}).get("failure") for a in out.index]
+        return out
 
     def final_state(self, rank: int = 0) -> dict[str, Any]:
         """The parameters rank `rank` ended with (RunConfig.save_final)."""
@@ -257,6 +312,12 @@ def write_outcome(run_dir: Path, failure: str | None) -> None:
     write_meta(run_dir, **meta)
     if failure:
         (Path(run_dir) / "failure.txt").write_text(failure)
+
+
+def _last_byte(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(-1, 2)
+        return f.read(1)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -175,3 +175,13 @@ def test_a_config_recorded_by_an_older_labkit_still_loads(tmp_path):
     assert cfg.nan_policy == "ignore" and cfg.world_size == 2
     with pytest.raises(ConfigError, match="retired_field"):
         RunConfig.load(tmp_path / "config.json")  # a config a person wrote: an unknown field is a mistake
+
+
+def test_checkpoint_fields_and_dropout_are_checked():
+    assert RunConfig(checkpoint_every=5, checkpoint_keep=1, checkpoint_format="dcp", dropout=0.1).checkpoint_every == 5
+    for changes, field in (({"checkpoint_every": -1}, "checkpoint_every"), ({"checkpoint_keep": 0}, "checkpoint_keep"),
+                           ({"checkpoint_format": "pickle"}, "checkpoint_format"), ({"dropout": 1.0}, "dropout")):
+        with pytest.raises(ConfigError, match=rf"RunConfig\.{field}"):
+            RunConfig(**changes)
+    with pytest.raises(ConfigError, match="dropout exists for task 'tinylm' only"):
+        RunConfig(task="digits", dropout=0.1)

@@ -86,3 +86,28 @@ def test_lr_disagreement_names_the_first_step_where_the_ranks_lrs_differ(tmp_pat
     (tmp_path / "rank1.jsonl").write_text("".join(
         json.dumps({"rank": 1, "step": s, "lr": lr, "loss": 1.0}) + "\n" for s, lr in enumerate(lrs[0])))
     assert Run(tmp_path).lr_disagreement() is None
+
+
+def test_a_restarted_runs_records_stand_by_the_latest_attempt_and_attempts_say_what_each_cost(tmp_path, monkeypatch):
+    from labkit.records import RankRecorder
+    write_meta(tmp_path, name="x", world_size=1, attempts=[{"attempt": 0, "failure": "rank 0 was killed"},
+                                                           {"attempt": 1, "failure": None}])
+    monkeypatch.setenv("LABKIT_ATTEMPT", "0")
+    first = RankRecorder(tmp_path, 0)
+    for step in range(5):
+        first.write({"step": step, "time": 10.0 + step, "loss": 1.0})
+    first._file.write('{"rank": 0, "attempt": 0, "step": 5, "lo')  # the kill cut the last line short
+    first.close()
+    monkeypatch.setenv("LABKIT_ATTEMPT", "1")
+    second = RankRecorder(tmp_path, 0)  # resumed after the checkpoint of step 2
+    for step in range(3, 6):
+        second.write({"step": step, "time": 20.0 + step, "loss": 2.0})
+    second.close()
+    run = Run(tmp_path)
+    assert run.df["step"].tolist() == [0, 1, 2, 3, 4, 5]
+    assert run.df["attempt"].tolist() == [0, 0, 0, 1, 1, 1] and run.df["loss"].tolist() == [1.0] * 3 + [2.0] * 3
+    assert len(run.read_records(superseded=True)) == 8
+    attempts = run.attempts()
+    assert attempts[["first_step", "last_step"]].values.tolist() == [[0, 4], [3, 5]]
+    assert attempts.loc[1, "downtime_s"] == pytest.approx(23.0 - 14.0) and attempts.loc[1, "redone_steps"] == 2
+    assert attempts.loc[0, "failure"] == "rank 0 was killed"

@@ -8,6 +8,7 @@ error or a hang into one RankFailure that names the rank, its step and why; noth
     reaping.py     the ranks as OS processes: exit codes without reaping, signals to their groups
     cuda_guard.py  which call initialised CUDA (the reason fork is no longer safe)
     prewarm.py     the imports every forked rank needs, paid by `import labkit` in a notebook
+    restarts.py    restarting from the newest checkpoint (max_restarts), resuming another run (resume_from)
 """
 from . import prewarm
 from .failure import LaunchError, RankFailure, RankStatus

@@ -3,6 +3,8 @@
     import labkit
     run = labkit.launch(labkit.RunConfig(world_size=2, steps=20))      # labkit's instrumented DDP loop
     run = labkit.launch(my_worker, world_size=2, timeout=10)           # your function, fn(ctx), from a cell
+    run = labkit.launch(cfg, max_restarts=3)                           # restart from the newest checkpoint
+    run = labkit.launch(cfg, resume_from=old_run)                      # continue another run (restarts.py)
 
 Returns a `Run` once every rank has finished. If a rank raises, dies from a signal, exits early, or makes no
 progress (no ctx.record / ctx.heartbeat) for `timeout` seconds, every rank is stopped and `RankFailure` is raised
@@ -33,7 +35,7 @@ from ..records import Run, write_meta, write_outcome, write_tensorboard
 from ..training.loop import train
 from ..training.tasks import preload
 from ..view.live import LiveView
-from . import prewarm
+from . import prewarm, restarts
 from .cuda_guard import cuda_init_culprit
 from .diagnose import classify_exits, diagnose_hang
 from .failure import LaunchError, RankFailure
@@ -48,7 +50,7 @@ def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = N
            timeout: float = 60.0, startup_timeout: float = 60.0, start_method: str = "auto", name: str | None = None,
            runs_root: str | Path | None = None, echo: bool = True, progress: bool = True,
            live: bool = False, compare_with: tuple[Run, ...] | list[Run] = (),
-           env: dict[int, dict[str, str]] | None = None) -> Run:
+           env: dict[int, dict[str, str]] | None = None, resume_from: Any = None, max_restarts: int = 0) -> Run:
     """Run `target` on `world_size` ranks and return the Run; raise RankFailure if any rank fails.
 
     target: a RunConfig (runs labkit.train), or a function fn(ctx) (labkit.train, or one from a notebook cell).
@@ -56,25 +58,64 @@ def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = N
     startup_timeout: seconds a rank may take to start and join the process group (spawn re-imports torch: seconds).
     echo: print each rank's output, prefixed with its rank. progress/live: a progress line / live figure in Jupyter.
     env: extra environment variables per rank, {rank: {"NAME": "value"}}, as if that rank had been started with them.
+    resume_from: a Run or a directory with checkpoints (RunConfig.checkpoint_every): this new run starts from its
+        newest complete checkpoint (or from the step_* directory given).
+    max_restarts: after a failure, stop every rank and start them all again from the newest checkpoint, up to this
+        many times; the records say which attempt wrote them and Run.attempts() what each cost. The last failure
+        is raised when none are left.
     """
     called_at = time.time()
     fn, config = _resolve_target(target, config)
     if world_size is None and config is not None:
         world_size = config.world_size
     _check_arguments(world_size, config, timeout, start_method, env or {})
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        raise LaunchError(f"max_restarts = {max_restarts!r}: pass how many times to restart after a failure, >= 0")
+    source = restarts.source_checkpoint(resume_from) if resume_from is not None else None
     method = choose_start_method(start_method)
     run_dir = _new_run_dir(Path(runs_root or os.environ.get("LABKIT_RUNS", "runs")), name or _label(fn, config))
     if config is not None:
         config.save(run_dir / "config.json")
+    if source is not None:
+        restarts.adopt(source, run_dir)
     _warm_imports(config, method)
     mpctx = mp.get_context(method)
-    beats, port = Heartbeats.create(mpctx, world_size), mpctx.RawValue("i", 0)
     write_meta(run_dir, launched_at=called_at, name=name or _label(fn, config), world_size=world_size,
-               start_method=method,
-               function=getattr(fn, "__qualname__", repr(fn)), timeout_s=timeout, pid=os.getpid())
-    procs = _start(fn, config, world_size, run_dir, method, mpctx, beats, port, timeout, env or {})
-    view = LiveView(run_dir, world_size, config.steps if config else None, echo=echo, progress=progress,
-                    live=live, compare_with=tuple(compare_with))
+               start_method=method, function=getattr(fn, "__qualname__", repr(fn)), timeout_s=timeout,
+               pid=os.getpid(), resumed_from=str(source) if source else None, max_restarts=max_restarts)
+    show = dict(echo=echo, progress=progress, live=live, compare_with=tuple(compare_with))
+    failure, finished, attempt = None, False, 0
+    try:
+        while True:
+            ranks_env = restarts.attempt_env(env or {}, world_size, attempt if max_restarts else None)
+            failure = _attempt(fn, config, world_size, run_dir, method, mpctx, timeout, startup_timeout, ranks_env,
+                               attempt, show)
+            restarts.note_attempt(run_dir, attempt, ended_at=time.time(),
+                                  failure=str(failure).splitlines()[0] if failure is not None else None)
+            if failure is None or attempt >= max_restarts:
+                break
+            restarts.set_aside(run_dir, attempt, failure)
+            if echo:
+                print(restarts.restart_line(failure, attempt, max_restarts))
+            attempt += 1
+        finished = failure is None
+    finally:
+        write_outcome(run_dir, str(failure) if failure is not None else None if finished else "interrupted")
+        if config is not None and config.tensorboard:
+            write_tensorboard(run_dir)  # after the ranks, so it costs them nothing; failed runs get events too
+    if failure is not None:
+        raise failure
+    return Run(run_dir)
+
+
+def _attempt(fn: Callable[..., Any], config: RunConfig | None, world_size: int, run_dir: Path, method: str,
+             mpctx: Any, timeout: float, startup_timeout: float, env: dict[int, dict[str, str]], attempt: int,
+             show: dict[str, Any]) -> RankFailure | None:
+    """Start every rank, watch them until they all finish (None) or one fails (its RankFailure), stop them all."""
+    beats, port = Heartbeats.create(mpctx, world_size), mpctx.RawValue("i", 0)
+    procs = _start(fn, config, world_size, run_dir, method, mpctx, beats, port, timeout, env)
+    restarts.note_attempt(run_dir, attempt, pids=[p.pid for p in procs], started_at=time.time())
+    view = LiveView(run_dir, world_size, config.steps if config else None, **show)
     failure, finished = None, False
     try:
         failure = _watch(procs, beats, run_dir, timeout, max(timeout, startup_timeout), view)
@@ -82,12 +123,7 @@ def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = N
     finally:
         _stop(procs)
         view.close(ok=finished)
-        write_outcome(run_dir, str(failure) if failure is not None else None if finished else "interrupted")
-        if config is not None and config.tensorboard:
-            write_tensorboard(run_dir)  # after the ranks, so it costs them nothing; failed runs get events too
-    if failure is not None:
-        raise failure
-    return Run(run_dir)
+    return failure
 
 
 def _resolve_target(target: Any, config: RunConfig | None) -> tuple[Callable[..., Any], RunConfig | None]:

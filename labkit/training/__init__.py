@@ -13,6 +13,9 @@
     strategies.py  RunConfig.strategy: DDP, ZeRO-1, FSDP2 (fullshard.py), tensor parallel (tensor_parallel.py),
                    with the bytes each rank holds (held.py), the collectives (dispatchcount.py), the grad norm
                    over shards (gradnorm.py)
+    checkpoint.py  checkpoints on disk: atomic saves, finding the newest complete one, weights_only loading
+    resume.py      what the loop saves and restores (model, optimizer, RNG streams, data position), exactly
+    sharded.py     model and optimizer state through torch.distributed.checkpoint, read without pickle
 
 Nothing here knows how it was started (labkit's launcher or torchrun) or how it will be shown.
 """

@@ -37,6 +37,7 @@ import torch
 from .amp import StepCounter, autocast
 from .faults import corrupt_batch, inject, nan_factor
 from .plateau import Plateau
+from .resume import Recovery
 from .schedule import lr_for_config
 from .seeding import seed_everything, set_deterministic
 from .stability import NanGuard, NonFiniteLoss, optimizer_step
@@ -69,10 +70,13 @@ def train(ctx: Any, config: Any = None) -> None:
                      check_gradients=not scaler.is_enabled())
     plateau = Plateau(config, task, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device) \
         if config.schedule == "plateau" else None
+    recovery = Recovery(ctx, config, model, optimizer, scaler=scaler, plateau=plateau)
+    task = recovery.resume(task)  # from the newest checkpoint in the run's directory, if it has one (resume.py)
+    bad: list[int] = []
     baseline = _rss_bytes()
     step_started = time.perf_counter()
     with placed.counter() as wire:  # what this rank really hands to torch.distributed, step by step
-        for step in range(config.steps):
+        for step in range(recovery.start_step, config.steps):
             ctx.heartbeat(step)
             inject(config.faults, ctx.rank, step)
             lr = lr_for_config(step, config, peak=plateau.lr if plateau else None)
@@ -104,6 +108,7 @@ def train(ctx: Any, config: Any = None) -> None:
             _check_memory_budget(config, memory["peak_growth_mb"], step, task.batch_size)
             if guard.leaves(loss, step, bad):  # raises, or this rank stops here (nan_policy "alone" / "stop")
                 break
+            recovery.after_step(step)  # a checkpoint every config.checkpoint_every steps
     getattr(task, "close", lambda: None)()  # stop DataLoader workers after the last step, not inside it
     if guard.policy == "stop" and bad:
         return  # a peer raised the failure; the final parameters are not a finished run's

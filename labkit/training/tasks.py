@@ -72,8 +72,9 @@ class TinyLM(Task):
         from transformers import GPT2Config, GPT2LMHeadModel
         width, layers, heads = LM_SIZES[self.config.model_size]
         cfg = GPT2Config(vocab_size=self.vocab, n_positions=self.seq_len, n_embd=width, n_layer=layers,
-                         n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                         bos_token_id=0, eos_token_id=0)  # no dropout: runs are comparable step for step
+                         n_head=heads, resid_pdrop=self.config.dropout, embd_pdrop=self.config.dropout,
+                         attn_pdrop=self.config.dropout,  # 0 unless asked for (RunConfig.dropout)
+                         bos_token_id=0, eos_token_id=0)
         return GPT2LMHeadModel(cfg)
 
     def batch(self, step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
