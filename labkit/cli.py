@@ -101,20 +101,70 @@ def run_under_torchrun(config: RunConfig, run_dir: Path | None, timeout: float) 
         torch.cuda.set_device(device)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    placement = where_ranks_run(rank, local_rank, device)  # every rank joins: one all_gather_object
     if rank == 0:
         config.save(run_dir / "config.json")
-        write_meta(run_dir, name=config.label, world_size=world, start_method="torchrun")
+        write_meta(run_dir, name=config.label, world_size=world, start_method="torchrun", **placement)
     recorder = RankRecorder(run_dir, rank)
     ctx = RankContext(rank=rank, world_size=world, local_rank=local_rank, backend=backend, device=device,
                       run_dir=run_dir, config=config, recorder=recorder)
     try:
         train(ctx, config)
+        end_together(rank, world, run_dir, device)
+    except BaseException as exc:
+        write_rank_error(run_dir, rank, ctx.step, exc)  # Run.failure() and `labkit show` read it; torchrun reports too
+        raise
     finally:
         recorder.close()
         dist.destroy_process_group()
         if config.tensorboard:
             write_tensorboard(run_dir, ranks=[rank])  # each rank converts its own records, after training
     return 0
+
+
+def where_ranks_run(rank: int, local_rank: int, device) -> dict:
+    """Which node, host and device each rank of a torchrun job runs on, for meta.json (collective: every rank calls).
+
+    torchrun numbers the nodes (GROUP_RANK) and the ranks on each node (LOCAL_RANK); global ranks are contiguous
+    per node. Written once, by rank 0, so a run read back later says how the job was laid out."""
+    import socket
+    import torch.distributed as dist
+    mine = {"rank": rank, "local_rank": local_rank, "node": int(os.environ.get("GROUP_RANK", 0)),
+            "host": socket.gethostname(), "device": str(device)}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {"nodes": len({r["node"] for r in every}), "ranks": every}
+
+
+def end_together(rank: int, world: int, run_dir: Path, device) -> None:
+    """Wait for every rank to finish training; then rank 0 records the outcome and checks that the run directory
+    holds every rank's records (on many nodes it must be a filesystem they all mount)."""
+    import torch.distributed as dist
+    from .records import write_outcome
+    dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+    if rank != 0:
+        return
+    write_outcome(run_dir, None)
+    missing = missing_ranks(run_dir, world)
+    if missing:
+        print(f"labkit: {run_dir} holds no records of ranks {missing}: they wrote to their own node's disk. Give "
+              "--run-dir a path on a filesystem every node mounts (NFS, Lustre, a ReadWriteMany volume).",
+              file=sys.stderr)
+
+
+def missing_ranks(run_dir: Path, world: int) -> list[int]:
+    """Ranks of 0..world-1 whose records are not in run_dir:  missing_ranks(Path("runs/job1"), 4) -> [2, 3]."""
+    return [r for r in range(world) if not (Path(run_dir) / f"rank{r}.jsonl").exists()]
+
+
+def write_rank_error(run_dir: Path, rank: int, step: int, exc: BaseException) -> None:
+    """rank<r>.error.json, as a rank of labkit's own launcher writes it (Run.failure reads the earliest)."""
+    import time
+    import traceback
+    text = "".join(traceback.format_exception(exc))
+    error = {"rank": rank, "step": step, "type": type(exc).__name__, "message": str(exc), "traceback": text,
+             "time": time.time()}
+    (Path(run_dir) / f"rank{rank}.error.json").write_text(json.dumps(error, indent=2))
 
 
 if __name__ == "__main__":
