@@ -87,7 +87,7 @@ def run_under_torchrun(config: RunConfig, run_dir: Path | None, timeout: float) 
     import torch
     import torch.distributed as dist
     from .records import RankRecorder, write_meta, write_tensorboard
-    from .run.rank import RankContext, resolve_backend
+    from .run.rank import RankContext, rank_device, resolve_backend
     from .training.loop import train
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -96,7 +96,7 @@ def run_under_torchrun(config: RunConfig, run_dir: Path | None, timeout: float) 
     run_dir = run_dir or Path("runs") / f"{config.label}-{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}"
     run_dir.mkdir(parents=True, exist_ok=True)
     backend = resolve_backend(config.backend, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    device = rank_device(backend, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
