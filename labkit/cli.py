@@ -2,7 +2,8 @@
 
     python -m labkit run config.json                          # launches the ranks itself (like a notebook)
     torchrun --nproc-per-node 2 -m labkit run config.json --run-dir runs/job1
-                                                              # one rank per torchrun process (many nodes too)
+                                                              # one rank per torchrun process (many nodes too:
+                                                              # scripts/slurm.sbatch, scripts/pytorchjob.yaml)
     python -m labkit show runs/job1                           # summary table; the failure report if it failed
     python -m labkit compare runs/a runs/b -o ab.png          # the side-by-side figure, to a file
 
