@@ -34,7 +34,11 @@ Row = tuple[str, float, float, float, str]  # what, labkit's figure, the referen
 
 def launch_rows(quick: bool) -> list[Row]:
     import first_launch
-    return first_launch.rows(first_launch.measure(2 if quick else 3, pause=3.0))
+    rows = first_launch.rows(first_launch.measure(2 if quick else 3, pause=3.0))
+    if first_launch.FAILED_SAMPLES:  # said in the table, not only in the log above it
+        rows.append((f"launch: {len(first_launch.FAILED_SAMPLES)} sample(s) failed once and were rerun: "
+                     + ", ".join(f.split(":")[0] for f in first_launch.FAILED_SAMPLES), math.nan, math.nan, math.nan, ""))
+    return rows
 
 
 def loop_rows(quick: bool) -> list[Row]:

@@ -81,7 +81,8 @@ def run_kernel(launcher: str, pause: float, scratch: Path) -> Sample:
     env = {**os.environ, "LABKIT_RUNS": str(scratch / "runs"), "TMPDIR": str(scratch), "MPLBACKEND": "Agg"}
     env.pop("LABKIT_PREWARM", None)  # the kernel decides, as in a learner's notebook
     km = KernelManager(kernel_name="python3")
-    km.start_kernel(env=env, cwd=str(scratch), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kernel_log = open(scratch / "kernel.log", "w")  # the ranks' own output lands here too (fork, spawn)
+    km.start_kernel(env=env, cwd=str(scratch), stdout=kernel_log, stderr=subprocess.STDOUT)
     kc = km.client()
     kc.start_channels()
     try:
@@ -96,11 +97,14 @@ def run_kernel(launcher: str, pause: float, scratch: Path) -> Sample:
         for cell in cells:
             reply = kc.execute_interactive(cell, timeout=600, output_hook=keep)
             if reply["content"]["status"] != "ok":
-                raise RuntimeError(f"{launcher}: a cell failed:\n{cell}\n{''.join(printed)[-3000:]}")
+                kernel_log.flush()
+                raise RuntimeError(f"{launcher}: a cell failed:\n{cell}\n{''.join(printed)[-1500:]}\n"
+                                   f"kernel and ranks said:\n{(scratch / 'kernel.log').read_text()[-3000:]}")
         line = next(l for l in "".join(printed).splitlines() if l.startswith("RESULT "))
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+        kernel_log.close()
     out = json.loads(line[len("RESULT "):])
     first, later = out["launches"]
     return Sample(launcher, out["import_s"], first["first_step_s"], later["first_step_s"], first["call_s"])
@@ -122,10 +126,25 @@ def measure(samples: int, pause: float, launchers: list[str] | None = None) -> d
         for i in range(samples):
             order = names[i % len(names):] + names[:i % len(names)]
             for name in order:
-                folder = Path(scratch) / f"{name.replace(' ', '-')}-{i}"
-                folder.mkdir()
-                out[name].append(run_kernel(name, pause, folder))
+                out[name].append(sample_once_more_if_it_fails(name, pause, Path(scratch) / f"{name.replace(' ', '-')}-{i}"))
     return out
+
+
+FAILED_SAMPLES: list[str] = []  # launches that failed and were run again in a fresh kernel (reported)
+
+
+def sample_once_more_if_it_fails(name: str, pause: float, folder: Path) -> Sample:
+    """One kernel's sample; a failed launch (seen once here with spawn: a rank died of SIGABRT) is reported and
+    run once more in a fresh kernel. A second failure ends the benchmark."""
+    try:
+        folder.mkdir()
+        return run_kernel(name, pause, folder)
+    except RuntimeError as exc:
+        FAILED_SAMPLES.append(f"{name}: {str(exc)[-2000:]}")
+        print(f"\n{name}: a launch failed; running this sample again in a fresh kernel:\n{str(exc)[-2000:]}")
+        retry = folder.with_name(folder.name + "-again")
+        retry.mkdir()
+        return run_kernel(name, pause, retry)
 
 
 def medians(samples: list[Sample]) -> dict[str, float]:
@@ -161,6 +180,11 @@ def report(results: dict[str, list[Sample]], pause: float) -> None:
         print(f"  {name:<20}{med['import_s']:>14.2f}"
               + "".join(f"{med[k]:>8.2f} ({lo:.2f}-{hi:.2f})" for k, (lo, hi) in spread.items())
               + f"{med['first_call_s']:>12.2f}")
+    if FAILED_SAMPLES:
+        print(f"  {len(FAILED_SAMPLES)} launch(es) failed and were run again: "
+              + "; ".join(f.splitlines()[0] for f in FAILED_SAMPLES))
+    if "labkit" not in results:
+        return
     print(f"\n  {'ratio (the cell pauses ' + format(pause, 'g') + ' s after the import)':<56}{'labkit':>8}{'other':>8}"
           f"{'ratio':>8}  target")
     for what, ours, theirs, ratio, target in rows(results):
