@@ -1,4 +1,5 @@
 # labkit: make lab (JupyterLab on the notebooks) | make test (everything, quick mode) | make book (HTML site)
+#         make bench (every benchmark, one table of ratios) | make test-browser (lessons in headless Chromium)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -6,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Runs made by tests and notebooks under `make test` go to a scratch folder, not the repository.
 TEST_RUNS ?= $(or $(TMPDIR),/tmp)/labkit-test-runs
 
-.PHONY: install lab test book clean
+.PHONY: install lab test book clean bench test-browser
 
 install: $(STAMP)
 
@@ -33,6 +34,29 @@ book: install
 	LABKIT_RUNS=$(CURDIR)/site/runs $(BIN)/jupyter nbconvert --to html --execute \
 		--ExecutePreprocessor.timeout=1800 --output-dir site notebooks/*.ipynb
 	@echo "open site/*.html"
+
+# The optional extras, installed once each (stamps), only by the targets that need them: accelerate (`bench`: its
+# notebook_launcher is one of the launchers compared) and Playwright (`browser`), exactly pinned by requirements.lock.
+$(VENV)/.bench-installed: $(STAMP)
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[bench]"
+	touch $@
+
+# Playwright drives Debian's chromium (on PATH; `apt-get install chromium`, done here when run as root); Playwright's own
+# browser download is never used.
+$(VENV)/.browser-installed: $(STAMP)
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[browser]"
+	touch $@
+
+# Every benchmark in bench/ behind one command, one table of side-by-side ratios (~10 min on 2 busy cores);
+# make bench BENCH_ARGS=--quick for fewer samples (~5 min).
+bench: $(VENV)/.bench-installed
+	$(BIN)/python bench/all.py $(BENCH_ARGS)
+
+# JupyterLab on 127.0.0.1, lesson 00 and the playground run in headless Chromium; screenshots in site/browser/.
+test-browser: $(VENV)/.browser-installed
+	command -v chromium >/dev/null 2>&1 || { test "$$(id -u)" = 0 && apt-get update -qq && apt-get install -y -qq chromium; } \
+		|| { echo "make test-browser needs Debian's chromium: sudo apt-get install chromium"; exit 1; }
+	LABKIT_BROWSER=1 timeout 1200 $(BIN)/python -m pytest tests/test_browser.py -v -rs --durations=5
 
 clean:
 	rm -rf $(VENV) site runs notebooks/runs

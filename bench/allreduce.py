@@ -68,24 +68,39 @@ def labkit_busbw(world: int, size_bytes: int) -> float:
     return float(df.busbw_GBps.iloc[0])
 
 
+def compare(rounds: int, world: int, mib: int, echo: bool = True) -> tuple[list[float], list[float], list[float]]:
+    """busbw per round, GB/s: labkit.comm.benchmark, the plain loop's median call, the plain loop's mean call."""
+    size = mib * 1024 * 1024
+    ours, plain, plain_mean = [], [], []
+    for r in range(rounds):
+        if r % 2:
+            median_bw, mean_bw = plain_busbw(world, size)
+        ours.append(labkit_busbw(world, size))
+        if not r % 2:
+            median_bw, mean_bw = plain_busbw(world, size)
+        plain.append(median_bw)
+        plain_mean.append(mean_bw)
+        if echo:
+            print(f"round {r + 1}: labkit {ours[-1]:.3f} GB/s | plain loop {plain[-1]:.3f} GB/s (mean call: "
+                  f"{plain_mean[-1]:.3f})")
+    return ours, plain, plain_mean
+
+
+def rows(quick: bool = True) -> list[tuple[str, float, float, float, str]]:
+    """Rows for bench/all.py, (what, labkit, plain loop, ratio, target): busbw at 16 MiB, world 2."""
+    ours, plain, _ = compare(3 if quick else 5, 2, 16, echo=False)
+    a, b = statistics.median(ours), statistics.median(plain)
+    return [("all_reduce 16 MiB busbw (GB/s): labkit.comm / plain loop", a, b, a / b,
+             f"{1 - AGREE:.1f}-{1 + AGREE:.1f}")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--mib", type=int, default=16, help="message size in MiB")
     args = parser.parse_args()
-    size = args.mib * 1024 * 1024
-    ours, plain, plain_mean = [], [], []
-    for r in range(args.rounds):
-        if r % 2:
-            median_bw, mean_bw = plain_busbw(args.world_size, size)
-        ours.append(labkit_busbw(args.world_size, size))
-        if not r % 2:
-            median_bw, mean_bw = plain_busbw(args.world_size, size)
-        plain.append(median_bw)
-        plain_mean.append(mean_bw)
-        print(f"round {r + 1}: labkit {ours[-1]:.3f} GB/s | plain loop {plain[-1]:.3f} GB/s (mean call: "
-              f"{plain_mean[-1]:.3f})")
+    ours, plain, plain_mean = compare(args.rounds, args.world_size, args.mib)
     a, b = statistics.median(ours), statistics.median(plain)
     ratio = a / b
     print(f"\nall_reduce {args.mib} MiB, gloo, world {args.world_size}, busbw (median of {args.rounds} rounds):")

@@ -206,12 +206,34 @@ def ratios(res: Figures, base: Figures) -> dict[str, float]:
             "paired": statistics.median(v / b for v, b in zip(res["wall"], base["wall"]))}  # same round
 
 
-def report_throughput(cfg: labkit.RunConfig, root: str, rounds: int) -> None:
+def throughput(cfg: labkit.RunConfig, root: str, rounds: int) -> tuple[dict[str, Figures], dict[str, dict]]:
+    """bare DDP, labkit with TensorBoard, labkit without, alternated: every figure, and the ratios to bare DDP."""
     tb = cfg.replace(tensorboard=True)
     res = alternate({"bare DDP": (bare_ddp, cfg), "labkit, TensorBoard": (instrumented, tb),
                      "labkit, no TB": (instrumented, cfg)}, root, rounds)
+    return res, {name: ratios(r, res["bare DDP"]) for name, r in res.items()}
+
+
+def overhead_rows(quick: bool = True) -> list[tuple[str, float, float, float, str]]:
+    """Rows for bench/all.py, (what, labkit, bare DDP, ratio, target): labkit.train's samples/s against the bare
+    DDP loop's, launched alternately; by the median step's CPU time, and by wall time paired within each round."""
+    steps, rounds = (30, 4) if quick else (80, 7)
+    root = tempfile.mkdtemp(prefix="labkit-bench-")
+    try:
+        res, table = throughput(labkit.RunConfig(world_size=2, steps=steps, tensorboard=False), root, rounds)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     med = {name: {k: statistics.median(v) for k, v in r.items()} for name, r in res.items()}
-    table = {name: ratios(r, res["bare DDP"]) for name, r in res.items()}
+    ours, bare, target = med["labkit, TensorBoard"], med["bare DDP"], f">= {1 - OVERHEAD_TARGET:.2f}"
+    return [("loop samples/s by CPU per step: labkit.train / bare DDP", ours["cpu"], bare["cpu"],
+             table["labkit, TensorBoard"]["CPU/step"], target),
+            (f"loop samples/s by wall, paired in {rounds} rounds: same", ours["wall"], bare["wall"],
+             table["labkit, TensorBoard"]["paired"], target)]
+
+
+def report_throughput(cfg: labkit.RunConfig, root: str, rounds: int) -> None:
+    res, table = throughput(cfg, root, rounds)
+    med = {name: {k: statistics.median(v) for k, v in r.items()} for name, r in res.items()}
     print(f"\n2. throughput, steps {WARMUP}..{cfg.steps - 1}, {rounds} rounds alternated; ratios to bare DDP\n"
           f"  {'variant':<20}{'samples/s':>10}{'spread':>8}" + "".join(f"{k:>12}" for k in table["bare DDP"])
           + f"{'launch s':>10}")

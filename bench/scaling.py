@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from typing import Any
 
 from labkit import RunConfig
 from labkit.measure import interleaved
@@ -23,6 +24,30 @@ from labkit.tricks import scaling
 from labkit.tricks.comm import usable_cores
 
 OTHERS = "others' cores"
+
+
+def sweep(model_size: str, batch_per_rank: int, worlds: list[int], steps: int, rounds: int,
+          cores: int) -> tuple[Any, Any, str]:
+    """Every world size, interleaved and pinned: the table (samples/s, speedup, efficiency per world), the timing."""
+    runs_root = tempfile.mkdtemp(prefix="bench-scaling-")
+    timed = interleaved({f"{w} ranks": RunConfig.per_rank(
+        batch_per_rank=batch_per_rank, world_size=w, task="tinylm", model_size=model_size,
+        steps=steps, optimizer="sgd", lr=0.01, tensorboard=False, save_final=False) for w in worlds},
+        rounds=rounds, cores=cores, warmup=1, runs_root=runs_root)
+    return scaling.sweep_table(timed, cores).droplevel(["model", "batch per rank"]), timed, runs_root
+
+
+def rows(quick: bool = True) -> list[tuple[str, float, float, float, str]]:
+    """Rows for bench/all.py, (what, samples/s at N ranks, N x samples/s at 1 rank, efficiency, target)."""
+    cores = usable_cores()
+    table, _, _ = sweep("tiny", 32, [1, 2, 4], 10, 2 if quick else 3, cores)
+    one = table.loc[1, "samples/s"]
+    out = []
+    for w in (2, 4):
+        label = f", oversubscribed on {cores} cores" if scaling.oversubscribed(w, cores) else ""
+        out.append((f"scaling, {w} ranks{label} (samples/s): {w} ranks / {w} x 1 rank", table.loc[w, "samples/s"],
+                    w * one, table.loc[w, "efficiency"], f"<= {min(1.0, cores / w):.2f}"))
+    return out
 
 
 def main() -> None:
@@ -36,12 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     worlds = sorted({1, *(int(w) for w in args.worlds.split(","))})
     cores = args.cores or usable_cores()
-    runs_root = tempfile.mkdtemp(prefix="bench-scaling-")
-    timed = interleaved({f"{w} ranks": RunConfig.per_rank(
-        batch_per_rank=args.batch_per_rank, world_size=w, task="tinylm", model_size=args.model_size,
-        steps=args.steps, optimizer="sgd", lr=0.01, tensorboard=False, save_final=False) for w in worlds},
-        rounds=args.rounds, cores=cores, warmup=1, runs_root=runs_root)
-    table = scaling.sweep_table(timed, cores).droplevel(["model", "batch per rank"])
+    table, timed, runs_root = sweep(args.model_size, args.batch_per_rank, worlds, args.steps, args.rounds, cores)
     print(f"tinylm {args.model_size}, {args.batch_per_rank} per rank, {args.steps} steps x {args.rounds} rounds, "
           f"pinned to {cores} cores (runs in {runs_root})")
     print(f"{'world':>5} {'global batch':>12} {'samples/s':>10} {'tokens/s':>10} {'speedup':>8} {'efficiency':>10}"

@@ -2,7 +2,8 @@
 
     python -m labkit run config.json                          # launches the ranks itself (like a notebook)
     torchrun --nproc-per-node 2 -m labkit run config.json --run-dir runs/job1
-                                                              # one rank per torchrun process (many nodes too)
+                                                              # one rank per torchrun process (many nodes too:
+                                                              # scripts/slurm.sbatch, scripts/pytorchjob.yaml)
     torchrun --nproc-per-node 2 --max-restarts 3 -m labkit run config.json --run-dir runs/job1
                                                               # restarts resume from runs/job1/checkpoints/
     python -m labkit show runs/job1                           # summary table; the failure report if it failed
@@ -94,7 +95,7 @@ def run_under_torchrun(config: RunConfig, run_dir: Path | None, timeout: float) 
     import torch
     import torch.distributed as dist
     from .records import RankRecorder, write_meta, write_tensorboard
-    from .run.rank import RankContext, resolve_backend
+    from .run.rank import RankContext, rank_device, resolve_backend
     from .training.loop import train
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -103,20 +104,25 @@ def run_under_torchrun(config: RunConfig, run_dir: Path | None, timeout: float) 
     run_dir = run_dir or Path("runs") / f"{config.label}-{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}"
     run_dir.mkdir(parents=True, exist_ok=True)
     backend = resolve_backend(config.backend, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    device = rank_device(backend, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     dist.init_process_group(backend, store=elastic_store(rank, world, timedelta(seconds=timeout)), rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout))
+    placement = where_ranks_run(rank, local_rank, device)  # every rank joins: one all_gather_object
     if rank == 0 and not (run_dir / "meta.json").exists():  # a restart keeps the first attempt's
         config.save(run_dir / "config.json")
-        write_meta(run_dir, name=config.label, world_size=world, start_method="torchrun")
+        write_meta(run_dir, name=config.label, world_size=world, start_method="torchrun", **placement)
     recorder = RankRecorder(run_dir, rank)
     ctx = RankContext(rank=rank, world_size=world, local_rank=local_rank, backend=backend, device=device,
                       run_dir=run_dir, config=config, recorder=recorder)
     try:
         train(ctx, config)
+        end_together(rank, world, run_dir, device)
+    except BaseException as exc:
+        write_rank_error(run_dir, rank, ctx.step, exc)  # Run.failure() and `labkit show` read it; torchrun reports too
+        raise
     finally:
         recorder.close()
         dist.destroy_process_group()
@@ -141,6 +147,51 @@ def elastic_store(rank: int, world: int, timeout: timedelta):
     else:
         base = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout, multi_tenant=True)
     return dist.PrefixStore(f"labkit/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", base)
+
+
+def where_ranks_run(rank: int, local_rank: int, device) -> dict:
+    """Which node, host and device each rank of a torchrun job runs on, for meta.json (collective: every rank calls).
+
+    torchrun numbers the nodes (GROUP_RANK) and the ranks on each node (LOCAL_RANK); global ranks are contiguous
+    per node. Written once, by rank 0, so a run read back later says how the job was laid out."""
+    import socket
+    import torch.distributed as dist
+    mine = {"rank": rank, "local_rank": local_rank, "node": int(os.environ.get("GROUP_RANK", 0)),
+            "host": socket.gethostname(), "device": str(device)}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {"nodes": len({r["node"] for r in every}), "ranks": every}
+
+
+def end_together(rank: int, world: int, run_dir: Path, device) -> None:
+    """Wait for every rank to finish training; then rank 0 records the outcome and checks that the run directory
+    holds every rank's records (on many nodes it must be a filesystem they all mount)."""
+    import torch.distributed as dist
+    from .records import write_outcome
+    dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+    if rank != 0:
+        return
+    write_outcome(run_dir, None)
+    missing = missing_ranks(run_dir, world)
+    if missing:
+        print(f"labkit: {run_dir} holds no records of ranks {missing}: they wrote to their own node's disk. Give "
+              "--run-dir a path on a filesystem every node mounts (NFS, Lustre, a ReadWriteMany volume).",
+              file=sys.stderr)
+
+
+def missing_ranks(run_dir: Path, world: int) -> list[int]:
+    """Ranks of 0..world-1 whose records are not in run_dir:  missing_ranks(Path("runs/job1"), 4) -> [2, 3]."""
+    return [r for r in range(world) if not (Path(run_dir) / f"rank{r}.jsonl").exists()]
+
+
+def write_rank_error(run_dir: Path, rank: int, step: int, exc: BaseException) -> None:
+    """rank<r>.error.json, as a rank of labkit's own launcher writes it (Run.failure reads the earliest)."""
+    import time
+    import traceback
+    text = "".join(traceback.format_exception(exc))
+    error = {"rank": rank, "step": step, "type": type(exc).__name__, "message": str(exc), "traceback": text,
+             "time": time.time()}
+    (Path(run_dir) / f"rank{rank}.error.json").write_text(json.dumps(error, indent=2))
 
 
 if __name__ == "__main__":

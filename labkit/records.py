@@ -241,6 +241,8 @@ class Run:
         report = self.path / "failure.txt"
         if report.exists():
             return report.read_text()
+        if self.finished:
+            return None  # error files of an earlier attempt that a restart recovered from
         errors = [_read_json(p) for p in sorted(self.path.glob("rank*.error.json"))]
         if not errors:
             return None

@@ -20,6 +20,8 @@ CELLS = [
     "bar.close(ok=False); assert bar._bar.bar_style == 'danger'",
     "run = labkit.launch(labkit.RunConfig(world_size=2, steps=4, tensorboard=False, save_final=False), echo=False,"
     " runs_root=RUNS)",
+    "import ipywidgets\nbars = [w for w in ipywidgets.Widget.widgets.values() if isinstance(w, ipywidgets.IntProgress)]\n"
+    "assert (bars[-1].value, bars[-1].max, bars[-1].bar_style) == (4, 4, 'success'), bars[-1]",
 ]
 
 
@@ -28,6 +30,6 @@ def test_a_notebook_launch_shows_a_widget_bar(tmp_path):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(f"RUNS = {str(tmp_path)!r}")] + [nbformat.v4.new_code_cell(c) for c in CELLS]
     NotebookClient(nb, timeout=120, kernel_name="python3").execute()
-    widget_views = [out for out in nb.cells[-1].outputs
+    widget_views = [out for out in nb.cells[-2].outputs
                     if "application/vnd.jupyter.widget-view+json" in out.get("data", {})]
-    assert len(widget_views) == 1, nb.cells[-1].outputs
+    assert len(widget_views) == 1, nb.cells[-2].outputs

@@ -122,7 +122,7 @@ def _attempt(fn: Callable[..., Any], config: RunConfig | None, world_size: int, 
         finished = failure is None
     finally:
         _stop(procs)
-        view.close(ok=finished)
+        view.close(ok=finished, recorded=[beats.read(r)[3] for r in range(world_size)])  # the last steps too
     return failure
 
 

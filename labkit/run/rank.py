@@ -120,12 +120,26 @@ class RankContext:
 
 
 def resolve_backend(requested: str, world_size: int) -> str:
-    """"auto" -> nccl when every rank can have its own CUDA device, else gloo; explicit names pass through."""
+    """"auto" -> nccl when every rank can have its own CUDA device, else gloo; explicit names pass through, but
+    nccl only when each of the `world_size` ranks on this machine has a CUDA device of its own (NCCL refuses two
+    ranks on one GPU)."""
+    import torch.distributed as dist
+    if requested == "nccl":
+        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if devices < world_size:
+            raise ValueError(f"backend='nccl' needs {world_size} CUDA GPUs here, one per rank on this machine; "
+                             f"{devices} visible (CUDA_VISIBLE_DEVICES="
+                             f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). Use backend='gloo' or 'auto' "
+                             "(gloo runs on the CPU), or fewer ranks per machine.")
     if requested != "auto":
         return requested
-    import torch.distributed as dist
     cuda_ok = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
     return "nccl" if cuda_ok and dist.is_nccl_available() else "gloo"
+
+
+def rank_device(backend: str, local_rank: int) -> torch.device:
+    """The device a rank computes on: its own GPU (cuda:<local rank>) under nccl, else the CPU."""
+    return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
 
 
 def rank_main(fn: Callable[[RankContext], Any], spec: RankSpec, beats: Heartbeats, port: Any) -> None:
@@ -168,9 +182,8 @@ def _init(spec: RankSpec, beats: Heartbeats, port: Any) -> tuple[Any, RankContex
     timeout = timedelta(seconds=spec.pg_timeout_s)
     store = _rendezvous(spec, port, timeout)
     _set_rank_env(spec, port.value)
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", spec.rank)
+    device = rank_device(backend, spec.rank)  # one machine: the local rank is the rank
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
     recorder = RankRecorder(spec.run_dir, spec.rank)

@@ -58,7 +58,10 @@ class LiveView:
             self._echo()
         self.echo = False
 
-    def close(self, ok: bool = True) -> None:
+    def close(self, ok: bool = True, recorded: list[int] | None = None) -> None:
+        """Show the final state (`recorded`: the steps the ranks had recorded when they ended) and end the bar."""
+        if recorded is not None:
+            self._recorded = list(recorded)
         if self._recorded is not None:
             self.update(self._recorded, force=True)
         elif self.echo:
