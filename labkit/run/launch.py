@@ -8,6 +8,10 @@ Returns a `Run` once every rank has finished. If a rank raises, dies from a sign
 progress (no ctx.record / ctx.heartbeat) for `timeout` seconds, every rank is stopped and `RankFailure` is raised
 naming the rank, its step and its traceback (or signal, or stack at the time of the hang). No process is left.
 
+To stop a run from elsewhere (a Stop button, another thread), pass `stop=event.is_set` for a threading.Event:
+the watchdog asks it at every look, and once it says True every rank is stopped as on a failure; launch then
+returns the Run with what was recorded so far, and meta.json's outcome says "stopped".
+
 Fork vs spawn: forking starts a rank in ~0.1 s but is unsafe once CUDA is initialised in this process; spawn is
 safe but re-imports torch in each rank (seconds). start_method="auto" forks unless CUDA is initialised, and then
 spawns, saying which call initialised CUDA.
@@ -48,7 +52,7 @@ def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = N
            timeout: float = 60.0, startup_timeout: float = 60.0, start_method: str = "auto", name: str | None = None,
            runs_root: str | Path | None = None, echo: bool = True, progress: bool = True,
            live: bool = False, compare_with: tuple[Run, ...] | list[Run] = (),
-           env: dict[int, dict[str, str]] | None = None) -> Run:
+           env: dict[int, dict[str, str]] | None = None, stop: Callable[[], bool] | None = None) -> Run:
     """Run `target` on `world_size` ranks and return the Run; raise RankFailure if any rank fails.
 
     target: a RunConfig (runs labkit.train), or a function fn(ctx) (labkit.train, or one from a notebook cell).
@@ -56,6 +60,7 @@ def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = N
     startup_timeout: seconds a rank may take to start and join the process group (spawn re-imports torch: seconds).
     echo: print each rank's output, prefixed with its rank. progress/live: a progress line / live figure in Jupyter.
     env: extra environment variables per rank, {rank: {"NAME": "value"}}, as if that rank had been started with them.
+    stop: asked at every look of the watchdog; True stops every rank, and the Run recorded so far is returned.
     """
     called_at = time.time()
     fn, config = _resolve_target(target, config)
@@ -75,14 +80,16 @@ def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = N
     procs = _start(fn, config, world_size, run_dir, method, mpctx, beats, port, timeout, env or {})
     view = LiveView(run_dir, world_size, config.steps if config else None, echo=echo, progress=progress,
                     live=live, compare_with=tuple(compare_with))
-    failure, finished = None, False
+    failure, finished, stopped = None, False, False
     try:
-        failure = _watch(procs, beats, run_dir, timeout, max(timeout, startup_timeout), view)
-        finished = failure is None
+        failure = _watch(procs, beats, run_dir, timeout, max(timeout, startup_timeout), view, stop or _never)
+        stopped = failure is STOPPED
+        failure = None if stopped else failure
+        finished = failure is None and not stopped
     finally:
         _stop(procs)
         view.close(ok=finished)
-        write_outcome(run_dir, str(failure) if failure is not None else None if finished else "interrupted")
+        write_outcome(run_dir, None if finished or stopped else str(failure or "interrupted"), stopped=stopped)
         if config is not None and config.tensorboard:
             write_tensorboard(run_dir)  # after the ranks, so it costs them nothing; failed runs get events too
     if failure is not None:
@@ -201,9 +208,17 @@ def _label(fn: Callable[..., Any], config: RunConfig | None) -> str:
 
 # --- watching ------------------------------------------------------------------------------------------------
 
+STOPPED = object()  # what _watch returns when `stop` asked for the run to end
+
+
+def _never() -> bool:
+    return False
+
+
 def _watch(procs: list[Any], beats: Heartbeats, run_dir: Path, timeout: float, startup_timeout: float,
-           view: Any) -> RankFailure | None:
-    """Poll until every rank has exited cleanly (None) or one has failed (the RankFailure to raise)."""
+           view: Any, stop: Callable[[], bool]) -> Any:
+    """Poll until every rank has exited cleanly (None), one has failed (the RankFailure to raise), or `stop`
+    says so (STOPPED)."""
     while True:
         view.update([beats.read(r)[3] for r in range(len(procs))])
         codes = [exit_code(p) for p in procs]
@@ -220,6 +235,8 @@ def _watch(procs: list[Any], beats: Heartbeats, run_dir: Path, timeout: float, s
         if stale:
             view.mute()  # the stack dumps that follow go into the failure, not the notebook's output
             return diagnose_hang(procs, beats, run_dir, timeout)
+        if stop():
+            return STOPPED
         time.sleep(POLL_S)
 
 
