@@ -59,6 +59,17 @@ FIELDS = ("world_size", "global_batch", "grad_accum", "steps", "precision", "lr"
           "clip_norm", "strategy", "faults")
 """The knobs labkit.panel() shows when not told which: the issue's list (world size ... injected faults)."""
 
+EVERY_TRICK = {
+    "scale (00, 03)": ["task", "model_size", "world_size", "global_batch", "grad_accum", "steps", "seed"],
+    "communication (02, 04)": ["no_sync", "precision", "comm_hook", "powersgd_rank", "bucket_cap_mb", "strategy"],
+    "data (05, 07, 08)": ["data_workers", "sample_cost_ms", "pin_memory", "persistent_workers", "prefetch_factor",
+                          "eval_every", "deterministic"],
+    "optimizer (09, 10)": ["optimizer", "lr", "schedule", "warmup_steps", "min_lr_ratio", "cycles", "clip_norm",
+                           "plateau_patience", "plateau_factor", "plateau_per_rank"],
+    "failures (09, 11, 12)": ["faults", "nan_policy", "memory_budget_mb"],
+}
+"""The playground's knobs (notebooks/15_playground.ipynb), one tab per family of tricks, with their lessons."""
+
 PROGRESS_EVERY_S = 0.25
 
 
