@@ -179,3 +179,15 @@ def test_in_a_kernel_a_click_runs_the_set_values_and_stop_leaves_nothing(tmp_pat
     assert "OutputModel" not in models and "ButtonModel" in models, models
     views = [o for o in nb.cells[1].outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
     assert len(views) == 1
+
+
+def test_the_table_reads_runs_whose_records_lack_timings(runs_root):
+    """A run of a RunConfig whose ranks recorded only some fields (a failed run, a function's own records)."""
+    from labkit.view.table import RunTable
+    path = runs_root / "20250101-000000-partial-abcd"
+    path.mkdir(parents=True)
+    BASE.save(path / "config.json")
+    (path / "meta.json").write_text('{"name": "partial", "outcome": "failed"}')
+    (path / "rank0.jsonl").write_text('{"rank": 0, "step": 0, "loss": 2.5}\n{"rank": 0, "step": 1}\n')
+    (row,) = RunTable(runs_root, past="all").rows.children
+    assert "2/6 steps · failed" in row.children[1].value and "samples/s" not in row.children[1].value

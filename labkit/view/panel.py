@@ -53,7 +53,7 @@ from .controls import Knob, config_from, describe, make_knobs
 from .figures import compare_figure
 from .progress import Progress
 from .show import png_bytes
-from .table import RunTable, read_meta
+from .table import RunTable, headline, read_meta
 
 FIELDS = ("world_size", "global_batch", "grad_accum", "steps", "precision", "lr", "schedule", "warmup_steps",
           "clip_norm", "strategy", "faults")
@@ -192,7 +192,9 @@ class Panel:
 
     def _go(self, job: Job) -> None:
         before = set(self.root.iterdir()) if self.root.is_dir() else set()
-        follower = threading.Thread(target=self._follow, args=(job, before), daemon=True)
+        launched = threading.Event()
+        follower = threading.Thread(target=contextvars.copy_context().run, args=(self._follow, job, before, launched),
+                                    daemon=True)
         follower.start()
         try:
             run = self.launch(job.config, stop=job.stop.is_set, runs_root=self.root, name=job.name,
@@ -202,14 +204,17 @@ class Panel:
             job.error = e
             job.run_dir = getattr(e, "run_dir", None) or job.run_dir
         finally:
-            job.done.set()
+            launched.set()
             follower.join()
-            self._finish(job)
+            try:
+                self._finish(job)
+            finally:
+                job.done.set()  # only now may Run start another: the buttons and the table are up to date
 
-    def _follow(self, job: Job, before: set[Path]) -> None:
+    def _follow(self, job: Job, before: set[Path], launched: threading.Event) -> None:
         """While the run goes: its bar four times a second, the live figure every live_every_s."""
         last_plot = time.monotonic()
-        while not job.done.wait(PROGRESS_EVERY_S):
+        while not launched.wait(PROGRESS_EVERY_S):
             job.run_dir = job.run_dir or _find_run_dir(self.root, before, job.name)
             if job.run_dir is None:
                 continue
@@ -275,9 +280,8 @@ def _ending(job: Job) -> str:
     steps = len(run.steps()) if run is not None else 0
     if _outcome(job) == "stopped":
         return f"Run <code>{name}</code> stopped after {steps} of {job.config.steps} steps."
-    summary = run.summary()
-    return (f"Run <code>{name}</code> finished: final loss {summary['final_loss']:.3f}, "
-            f"{summary['samples_per_s']:.0f} samples/s.")
+    _, loss, speed = headline(run.path)
+    return f"Run <code>{name}</code> finished: final loss {loss:.3f}, {speed:.0f} samples/s."
 
 
 def _outcome(job: Job) -> str | None:
