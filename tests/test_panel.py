@@ -159,12 +159,38 @@ KERNEL_CELLS = [
 ]
 
 
-@pytest.mark.timeout(300)
-def test_in_a_kernel_a_click_runs_the_set_values_and_stop_leaves_nothing(tmp_path):
-    """The same through a real Jupyter kernel, executed by nbclient as nbmake does; no cell waits for its
-    timeout (jupyter/nbclient#312: see labkit/view/panel.py), and the panel holds no Output widget."""
+def _count_shell_sends(monkeypatch) -> list[str]:
+    """Every message nbclient's Output-widget stand-in sends back to the kernel on the shell channel: the send that
+    can swallow a cell's execute_reply (jupyter/nbclient#312, see labkit/view/panel.py)."""
+    from nbclient.output_widget import OutputWidget
+    sent, original = [], OutputWidget._publish_msg
+
+    def counting(self, msg_type, *args, **kwargs):
+        sent.append(msg_type)
+        return original(self, msg_type, *args, **kwargs)
+    monkeypatch.setattr(OutputWidget, "_publish_msg", counting)
+    return sent
+
+
+def test_the_send_counter_sees_an_output_widget(monkeypatch):
     import nbformat
     from nbclient import NotebookClient
+    sent = _count_shell_sends(monkeypatch)
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("import ipywidgets\nout = ipywidgets.Output()\ndisplay(out)\n"
+                                          "with out:\n    print('inside')")]
+    NotebookClient(nb, timeout=60, kernel_name="python3").execute()
+    assert sent, "an Output widget's print makes nbclient send on the shell channel"
+
+
+@pytest.mark.timeout(300)
+def test_in_a_kernel_a_click_runs_the_set_values_and_stop_leaves_nothing(tmp_path, monkeypatch):
+    """The same through a real Jupyter kernel, executed by nbclient as nbmake does. nbclient never sends on the
+    shell channel while the panel works (so the race of jupyter/nbclient#312 cannot happen: labkit/view/panel.py),
+    no cell comes near its timeout, and the panel holds no Output widget."""
+    import nbformat
+    from nbclient import NotebookClient
+    sent = _count_shell_sends(monkeypatch)
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(f"RUNS = {str(tmp_path)!r}")] + [nbformat.v4.new_code_cell(c)
                                                                           for c in KERNEL_CELLS]
@@ -174,6 +200,7 @@ def test_in_a_kernel_a_click_runs_the_set_values_and_stop_leaves_nothing(tmp_pat
                             on_cell_executed=lambda cell, cell_index, execute_reply: took.__setitem__(
                                 cell_index, time.monotonic() - took[cell_index]))
     client.execute()
+    assert sent == [] and client.comm_objects == {}
     assert max(took.values()) < 60, took
     models = {state.get("_model_name") for state in client.widget_state.values()}
     assert "OutputModel" not in models and "ButtonModel" in models, models

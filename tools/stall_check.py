@@ -3,14 +3,16 @@
     python tools/stall_check.py cells --runs 60                  # which widget code meets the race, and which not
     python tools/stall_check.py cells --runs 60 --patched        # the same with nbclient's shell send re-checked
     python tools/stall_check.py nbmake notebooks/15_playground.ipynb --runs 30
-    python tools/stall_check.py nbmake --control --runs 10       # the harness on an `interact` notebook
+    python tools/stall_check.py nbmake --control --runs 30       # the harness on ten `interact` cells
+    python tools/stall_check.py sends notebooks/15_playground.ipynb   # what nbclient sends back: 0 means no race
 
 A stalled cell does not fail: nbclient finds the execute_reply it missed when its poll times out, and the cell
 passes after exactly the per-cell timeout (labkit/view/panel.py's docstring says why). So a stall is seen in time
 only: `cells` times each cell of a two-cell notebook under nbclient with a short timeout and counts those that
 took the whole timeout; `nbmake` runs `pytest --nbmake` on a notebook again and again, each time in a fresh
-process, and counts the runs that took longer than the per-cell timeout. Run from the repository root with the
-kit's environment (.venv/bin/python); it prints one line per variant or run and a summary, and exits 1 on a stall.
+process, and counts the runs that took longer than the per-cell timeout; `sends` counts the messages behind the
+race itself (nbclient's sends on the shell channel during a cell): none, and no cell can stall. Run it from the
+repository root with the kit's environment (.venv/bin/python); it exits 1 on a stall (or a send).
 """
 from __future__ import annotations
 
@@ -35,8 +37,9 @@ VARIANTS = {
              "p.controls['lr'].widget.value = 0.01\np.run_button.click()\nassert p.wait(60).config.lr == 0.01",
 }
 SLOW_CELL_S = 60   # the panel variant imports labkit and launches ranks
-CONTROL = ("import ipywidgets\n@ipywidgets.interact(x=(0, 10))\ndef f(x=3):\n    print('x is', x)\n    return x",
-           "print('next cell')")
+CONTROL = ("import ipywidgets",) + tuple(
+    f"@ipywidgets.interact(x=(0, 10))\ndef f{i}(x={i}):\n    print('x is', x)\n    return x" for i in range(10))
+"""The control notebook: ten interact cells, ten chances per run to meet the race."""
 
 
 def patch_nbclient() -> None:
@@ -106,6 +109,26 @@ def nbmake(notebook: Path, runs: int, timeout: int) -> int:
     return stalls
 
 
+def sends(notebook: Path) -> int:
+    """Execute `notebook` once under nbclient and count what nbclient sent back on the shell channel during its
+    cells (its Output-widget stand-in's messages): zero means the race cannot happen in this notebook."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.output_widget import OutputWidget
+    sent, original = [], OutputWidget._publish_msg
+
+    def counting(self, msg_type, *args, **kwargs):
+        sent.append(msg_type)
+        return original(self, msg_type, *args, **kwargs)
+    OutputWidget._publish_msg = counting
+    os.environ.setdefault("LABKIT_QUICK", "1")
+    nb = nbformat.read(notebook, as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(notebook.parent)}}
+                   ).execute()
+    print(f"{notebook.name}: nbclient sent {len(sent)} message(s) on the shell channel during its cells")
+    return len(sent)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -119,6 +142,9 @@ def main() -> int:
     many.add_argument("--runs", type=int, default=30)
     many.add_argument("--timeout", type=int, default=60, help="nbmake's per-cell timeout, seconds")
     many.add_argument("--control", action="store_true", help="run a notebook that uses interact instead")
+    count = sub.add_parser("sends", help="count nbclient's shell-channel sends while it runs a notebook once")
+    count.add_argument("notebook", type=Path, nargs="?", default=Path("notebooks/15_playground.ipynb"))
+    count.add_argument("--control", action="store_true", help="the interact notebook instead")
     args = parser.parse_args()
     if args.mode == "cells":
         return int(cells(args.variants, args.runs, args.timeout, args.patched) > 0)
@@ -129,6 +155,8 @@ def main() -> int:
         nb.cells = [nbformat.v4.new_code_cell(c) for c in CONTROL]
         notebook = Path(tempfile.mkdtemp()) / "interact_control.ipynb"
         nbformat.write(nb, notebook)
+    if args.mode == "sends":
+        return int(sends(notebook) > 0)
     return int(nbmake(notebook, args.runs, args.timeout) > 0)
 
 
