@@ -49,7 +49,8 @@ def test_the_index_lists_the_lessons_in_order_with_summary_and_headline_figure(t
     _executed(executed / "02_no_figure.ipynb", "02 · Words only", "Nothing drawn here!", [("print(1)", None, [])])
     _executed(executed / "16_x.blank.ipynb", "blank copy", "never listed", [])
     readme = tmp_path / "README.md"
-    readme.write_text("| notebook | what it shows |\n|---|---|\n| `00_first.ipynb` | The first: `code` and **bold** |\n")
+    readme.write_text("| notebook | what it shows |\n|---|---|\n"
+                      "| `00_first.ipynb` | The first: `code` and **bold** |\n")
 
     index = book.build(executed, site, readme)
     page = index.read_text()

@@ -71,7 +71,8 @@ def build(executed: Path, site: Path, readme: Path = Path("README.md")) -> Path:
         image = ""
         if info["figure"] is not None:
             (figures / f"{info['name']}.png").write_bytes(info["figure"])
-            image = f'<a href="{info["name"]}.html"><img src="figures/{info["name"]}.png" alt="{_inline(info["title"])}"></a>'
+            image = (f'<a href="{info["name"]}.html"><img src="figures/{info["name"]}.png" '
+                     f'alt="{_inline(info["title"])}"></a>')
         parts.append(f'<div class="lesson"><h2><a href="{info["name"]}.html">{_inline(info["title"])}</a></h2>'
                      f'<p>{_inline(info["summary"])}</p>{image}</div>')
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>labkit: the lessons</title>"
