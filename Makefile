@@ -29,11 +29,18 @@ test: install
 	LABKIT_QUICK=1 LABKIT_RUNS=$(TEST_RUNS) LABKIT_CLAIMS_LOG=$(TEST_RUNS)/claims.jsonl MPLBACKEND=Agg $(BIN)/python -m pytest tests --nbmake notebooks \
 		--nbmake-timeout=300 -v --durations=15
 
+# Each lesson is executed once (into site/executed/), then converted to HTML; tools/book.py writes site/index.html
+# (the lessons in order, each with its summary and headline figure) from the executed notebooks. Blank exercise
+# copies (*.blank.ipynb, made by lessons 16 and 17) are not lessons.
+LESSONS := $(filter-out %.blank.ipynb,$(wildcard notebooks/*.ipynb))
+
 book: install
-	mkdir -p site
-	LABKIT_RUNS=$(CURDIR)/site/runs $(BIN)/jupyter nbconvert --to html --execute \
-		--ExecutePreprocessor.timeout=1800 --output-dir site notebooks/*.ipynb
-	@echo "open site/*.html"
+	mkdir -p site/executed
+	LABKIT_RUNS=$(CURDIR)/site/runs $(BIN)/jupyter nbconvert --to notebook --execute \
+		--ExecutePreprocessor.timeout=1800 --output-dir site/executed $(LESSONS)
+	$(BIN)/jupyter nbconvert --to html --output-dir site $(addprefix site/executed/,$(notdir $(LESSONS)))
+	$(BIN)/python tools/book.py site/executed site
+	@echo "open site/index.html"
 
 # The optional extras, installed once each (stamps), only by the targets that need them: accelerate (`bench`: its
 # notebook_launcher is one of the launchers compared) and Playwright (`browser`), exactly pinned by requirements.lock.

@@ -307,10 +307,11 @@ def write_meta(run_dir: Path, **meta: Any) -> None:
     (Path(run_dir) / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
 
 
-def write_outcome(run_dir: Path, failure: str | None) -> None:
-    """How the run ended, beside its records: meta.json's outcome and, if it failed, the report as failure.txt."""
+def write_outcome(run_dir: Path, failure: str | None, *, stopped: bool = False) -> None:
+    """How the run ended, beside its records: meta.json's outcome ("finished", "failed", or "stopped" when it was
+    asked to end early) and, if it failed, the report as failure.txt."""
     meta = _read_json(Path(run_dir) / "meta.json")
-    meta.update(outcome="failed" if failure else "finished", ended_at=time.time())
+    meta.update(outcome="failed" if failure else "stopped" if stopped else "finished", ended_at=time.time())
     write_meta(run_dir, **meta)
     if failure:
         (Path(run_dir) / "failure.txt").write_text(failure)

@@ -46,6 +46,15 @@ def test_nccl_on_too_few_gpus_is_refused_with_the_counts(monkeypatch):
     assert resolve_backend("nccl", 1) == "nccl"
 
 
+def test_launch_refuses_nccl_without_a_gpu_per_rank_before_any_rank_starts(tmp_path, monkeypatch):
+    import labkit
+    from labkit.run.launch import LaunchError
+    fake_gpus(monkeypatch, 1)
+    with pytest.raises(LaunchError, match=r"RunConfig.backend = 'nccl'.*needs 2 CUDA GPUs here.*1 visible"):
+        labkit.launch(labkit.RunConfig(backend="nccl", world_size=2), runs_root=tmp_path, echo=False)
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())      # refused before a run directory was made
+
+
 def test_each_rank_computes_on_the_gpu_of_its_local_rank():
     assert [rank_device("nccl", r) for r in range(3)] == [torch.device("cuda", r) for r in range(3)]
     assert rank_device("gloo", 5) == torch.device("cpu")

@@ -13,6 +13,10 @@ naming the rank, its step and its traceback (or signal, or stack at the time of 
 Fork vs spawn: forking starts a rank in ~0.1 s but is unsafe once CUDA is initialised in this process; spawn is
 safe but re-imports torch in each rank (seconds). start_method="auto" forks unless CUDA is initialised, and then
 spawns, saying which call initialised CUDA.
+
+To stop a run from elsewhere (a Stop button, another thread), pass `stop=event.is_set` for a threading.Event:
+the watchdog asks it at every look, and once it says True every rank is stopped as on a failure; launch then
+returns the Run with what was recorded so far, and meta.json's outcome says "stopped". No restart follows a stop.
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ from . import prewarm, restarts
 from .cuda_guard import cuda_init_culprit
 from .diagnose import classify_exits, diagnose_hang
 from .failure import LaunchError, RankFailure
-from .rank import DONE, FINISHING, RUNNING, Heartbeats, RankSpec, rank_main, spawn_main
+from .rank import DONE, FINISHING, RUNNING, Heartbeats, RankSpec, nccl_problem, rank_main, spawn_main
 from .reaping import exit_code, reap, signal_groups
 
 POLL_S = 0.01          # how often the watchdog looks at the ranks
@@ -50,7 +54,8 @@ def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = N
            timeout: float = 60.0, startup_timeout: float = 60.0, start_method: str = "auto", name: str | None = None,
            runs_root: str | Path | None = None, echo: bool = True, progress: bool = True,
            live: bool = False, compare_with: tuple[Run, ...] | list[Run] = (),
-           env: dict[int, dict[str, str]] | None = None, resume_from: Any = None, max_restarts: int = 0) -> Run:
+           env: dict[int, dict[str, str]] | None = None, resume_from: Any = None, max_restarts: int = 0,
+           stop: Callable[[], bool] | None = None) -> Run:
     """Run `target` on `world_size` ranks and return the Run; raise RankFailure if any rank fails.
 
     target: a RunConfig (runs labkit.train), or a function fn(ctx) (labkit.train, or one from a notebook cell).
@@ -63,6 +68,7 @@ def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = N
     max_restarts: after a failure, stop every rank and start them all again from the newest checkpoint, up to this
         many times; the records say which attempt wrote them and Run.attempts() what each cost. The last failure
         is raised when none are left.
+    stop: asked at every look of the watchdog; True stops every rank, and the Run recorded so far is returned.
     """
     called_at = time.time()
     fn, config = _resolve_target(target, config)
@@ -84,12 +90,14 @@ def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = N
                start_method=method, function=getattr(fn, "__qualname__", repr(fn)), timeout_s=timeout,
                pid=os.getpid(), resumed_from=str(source) if source else None, max_restarts=max_restarts)
     show = dict(echo=echo, progress=progress, live=live, compare_with=tuple(compare_with))
-    failure, finished, attempt = None, False, 0
+    failure, finished, stopped, attempt = None, False, False, 0
     try:
         while True:
             ranks_env = restarts.attempt_env(env or {}, world_size, attempt if max_restarts else None)
             failure = _attempt(fn, config, world_size, run_dir, method, mpctx, timeout, startup_timeout, ranks_env,
-                               attempt, show)
+                               attempt, show, stop or _never)
+            stopped = failure is STOPPED
+            failure = None if stopped else failure
             restarts.note_attempt(run_dir, attempt, ended_at=time.time(),
                                   failure=str(failure).splitlines()[0] if failure is not None else None)
             if failure is None or attempt >= max_restarts:
@@ -98,9 +106,9 @@ def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = N
             if echo:
                 print(restarts.restart_line(failure, attempt, max_restarts))
             attempt += 1
-        finished = failure is None
+        finished = failure is None and not stopped
     finally:
-        write_outcome(run_dir, str(failure) if failure is not None else None if finished else "interrupted")
+        write_outcome(run_dir, None if finished or stopped else str(failure or "interrupted"), stopped=stopped)
         if config is not None and config.tensorboard:
             write_tensorboard(run_dir)  # after the ranks, so it costs them nothing; failed runs get events too
     if failure is not None:
@@ -110,15 +118,16 @@ def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = N
 
 def _attempt(fn: Callable[..., Any], config: RunConfig | None, world_size: int, run_dir: Path, method: str,
              mpctx: Any, timeout: float, startup_timeout: float, env: dict[int, dict[str, str]], attempt: int,
-             show: dict[str, Any]) -> RankFailure | None:
-    """Start every rank, watch them until they all finish (None) or one fails (its RankFailure), stop them all."""
+             show: dict[str, Any], stop: Callable[[], bool]) -> Any:
+    """Start every rank, watch them until they all finish (None), one fails (its RankFailure) or `stop` says so
+    (STOPPED); then stop them all."""
     beats, port = Heartbeats.create(mpctx, world_size), mpctx.RawValue("i", 0)
     procs = _start(fn, config, world_size, run_dir, method, mpctx, beats, port, timeout, env)
     restarts.note_attempt(run_dir, attempt, pids=[p.pid for p in procs], started_at=time.time())
     view = LiveView(run_dir, world_size, config.steps if config else None, **show)
     failure, finished = None, False
     try:
-        failure = _watch(procs, beats, run_dir, timeout, max(timeout, startup_timeout), view)
+        failure = _watch(procs, beats, run_dir, timeout, max(timeout, startup_timeout), view, stop)
         finished = failure is None
     finally:
         _stop(procs)
@@ -143,6 +152,8 @@ def _check_arguments(world_size: int | None, config: RunConfig | None, timeout: 
         if world_size != config.world_size:
             raise LaunchError(f"world_size = {world_size} but config.world_size = {config.world_size}; "
                               "pass one of them, or make them agree")
+        if config.backend == "nccl" and nccl_problem(world_size):
+            raise LaunchError(f"RunConfig.backend = 'nccl': {nccl_problem(world_size)}")  # before any rank starts
     if not isinstance(timeout, (int, float)) or not timeout > 0:
         raise LaunchError(f"timeout = {timeout!r}: pass the seconds a rank may go without progress, > 0")
     if start_method not in ("auto", "fork", "spawn"):
@@ -237,9 +248,17 @@ def _label(fn: Callable[..., Any], config: RunConfig | None) -> str:
 
 # --- watching ------------------------------------------------------------------------------------------------
 
+STOPPED = object()  # what _watch returns when `stop` asked for the run to end
+
+
+def _never() -> bool:
+    return False
+
+
 def _watch(procs: list[Any], beats: Heartbeats, run_dir: Path, timeout: float, startup_timeout: float,
-           view: Any) -> RankFailure | None:
-    """Poll until every rank has exited cleanly (None) or one has failed (the RankFailure to raise)."""
+           view: Any, stop: Callable[[], bool]) -> Any:
+    """Poll until every rank has exited cleanly (None), one has failed (the RankFailure to raise), or `stop`
+    says so (STOPPED)."""
     while True:
         view.update([beats.read(r)[3] for r in range(len(procs))])
         codes = [exit_code(p) for p in procs]
@@ -256,6 +275,8 @@ def _watch(procs: list[Any], beats: Heartbeats, run_dir: Path, timeout: float, s
         if stale:
             view.mute()  # the stack dumps that follow go into the failure, not the notebook's output
             return diagnose_hang(procs, beats, run_dir, timeout)
+        if stop():
+            return STOPPED
         time.sleep(POLL_S)
 
 

@@ -119,18 +119,25 @@ class RankContext:
             self.heartbeats.beat(self.rank, step=step, recorded=step)
 
 
+def nccl_problem(ranks_here: int) -> str | None:
+    """Why `ranks_here` ranks on this machine cannot use NCCL (one CUDA device each), or None when they can.
+    Asks the driver for the device count only: no CUDA context is created, so forking stays safe."""
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if devices >= ranks_here:
+        return None
+    return (f"backend='nccl' needs {ranks_here} CUDA GPUs here, one per rank on this machine; {devices} visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). Use backend='gloo' or "
+            "'auto' (gloo runs on the CPU), or fewer ranks per machine.")
+
+
 def resolve_backend(requested: str, world_size: int) -> str:
     """"auto" -> nccl when every rank can have its own CUDA device, else gloo; explicit names pass through, but
     nccl only when each of the `world_size` ranks on this machine has a CUDA device of its own (NCCL refuses two
     ranks on one GPU)."""
     import torch.distributed as dist
-    if requested == "nccl":
-        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if devices < world_size:
-            raise ValueError(f"backend='nccl' needs {world_size} CUDA GPUs here, one per rank on this machine; "
-                             f"{devices} visible (CUDA_VISIBLE_DEVICES="
-                             f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). Use backend='gloo' or 'auto' "
-                             "(gloo runs on the CPU), or fewer ranks per machine.")
+    problem = nccl_problem(world_size) if requested == "nccl" else None
+    if problem:
+        raise ValueError(problem)
     if requested != "auto":
         return requested
     cuda_ok = torch.cuda.is_available() and torch.cuda.device_count() >= world_size

@@ -1,4 +1,5 @@
-"""What a person looks at: the side-by-side figure, any recorded curve, the live view while ranks run.
+"""What a person looks at: the side-by-side figure, any recorded curve, the live view while ranks run, and the
+control panel (panel.py: it is handed the launcher; labkit.panel does that).
 
 Reads runs (labkit.records) and draws them; knows nothing of processes or training."""
 from .figures import COLORS, compare, curves

@@ -6,6 +6,7 @@
 
 In a notebook it is an ipywidgets bar with a line of text beside it; in a terminal a line redrawn on stderr;
 elsewhere (pytest, CI logs) nothing. A run whose length is unknown (a plain function) shows steps per rank only.
+A larger display (the control panel) takes the bar with `bar.widget()` and shows it itself; update() fills it in.
 The estimate of the time left counts from the first recorded step, so the seconds spent starting the ranks do not
 make the first steps look slow.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 
 from .show import in_notebook
 
@@ -36,7 +38,7 @@ class Progress:
         self.terminal = enabled and not self.notebook and sys.stderr.isatty()
         self.started = time.time()
         self._first: tuple[int, float] | None = None  # (steps done, time) at the first recorded step
-        self._bar = self._text = None
+        self._bar = self._text = self._box = None
         self.text = ""
 
     def update(self, recorded: list[int]) -> None:
@@ -45,7 +47,7 @@ class Progress:
         if self._first is None and done > 0:
             self._first = (done, now)
         self.text = self._describe(done, done_per_rank, now)
-        if self.notebook:
+        if self.notebook or self._box is not None:
             self._draw_widget(done)
         elif self.terminal:
             sys.stderr.write("\r" + self.text)
@@ -66,13 +68,19 @@ class Progress:
         left = "" if eta is None else f", about {eta:.1f} s left"
         return f"{self.label}: step {done}/{self.total} ({ranks} per rank), {elapsed}{left}"
 
-    def _draw_widget(self, done: int) -> None:
-        if self._bar is None:
+    def widget(self) -> Any:
+        """The bar and its text as one ipywidgets box, made once; the caller shows it (update() fills it in)."""
+        if self._box is None:
             import ipywidgets
-            from IPython.display import display
             self._bar = ipywidgets.IntProgress(value=0, min=0, max=self.total or 1,
                                                layout=ipywidgets.Layout(width="40%"))
             self._text = ipywidgets.HTML()
-            display(ipywidgets.HBox([self._bar, self._text]))
+            self._box = ipywidgets.HBox([self._bar, self._text])
+        return self._box
+
+    def _draw_widget(self, done: int) -> None:
+        if self._box is None:
+            from IPython.display import display
+            display(self.widget())
         self._bar.value = min(done, self.total) if self.total else 0
         self._text.value = f"<code>{self.text}</code>"

@@ -1,0 +1,93 @@
+"""The control panel's table of past runs: one row per run, a tick box to draw it in the side-by-side figure.
+
+    table = RunTable(Path("runs"), past="session", on_tick=redraw)
+    table.refresh(tick=run.path)       # read the runs folder again; tick a run (the one just made)
+    table.ticked()                     # the ticked runs' directories, oldest first
+
+`past="session"` lists the runs this process launched (a lesson's own runs), "all" every run in the folder.
+Only runs of a RunConfig are listed (they have a loss to compare), the newest `limit` of them.
+"""
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from ..config import RunConfig
+from ..records import Run, per_step, whole_run_throughput
+
+PAST = ("session", "all")
+
+
+class RunTable:
+    """Rows of past runs with tick boxes; see the module docstring."""
+
+    def __init__(self, root: Path, *, past: str = "session", on_tick: Callable[[], None] = lambda: None,
+                 limit: int = 10):
+        import ipywidgets
+        if past not in PAST:
+            raise ValueError(f"past = {past!r}: must be one of {', '.join(PAST)}")
+        self.root, self.past, self.on_tick, self.limit = Path(root), past, on_tick, limit
+        self.boxes: dict[Path, Any] = {}
+        self.rows = ipywidgets.VBox()
+        self.widget = ipywidgets.VBox([ipywidgets.HTML("<b>Runs</b> (tick to draw them side by side)"), self.rows])
+        self.refresh()
+
+    def runs(self) -> list[Path]:
+        """The run directories listed: newest last, at most `limit`."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for path in sorted(self.root.iterdir()):  # names start with the launch time
+            meta = read_meta(path)
+            if (path / "config.json").exists() and meta and (self.past == "all" or meta.get("pid") == os.getpid()):
+                found.append(path)
+        return found[-self.limit:]
+
+    def refresh(self, tick: Path | None = None) -> None:
+        import ipywidgets
+        rows, boxes = [], {}
+        for path in self.runs():
+            old = self.boxes.get(path)
+            box = ipywidgets.Checkbox(value=(old.value if old is not None else False) or path == tick, indent=False,
+                                      description=read_meta(path).get("name", path.name),
+                                      layout=ipywidgets.Layout(width="330px"))
+            box.observe(lambda _: self.on_tick(), names="value")
+            boxes[path] = box
+            rows.append(ipywidgets.HBox([box, ipywidgets.HTML(row_text(path))]))
+        self.boxes = boxes
+        self.rows.children = rows or [ipywidgets.HTML("<i>no runs yet</i>")]
+
+    def ticked(self) -> list[Path]:
+        return [path for path, box in self.boxes.items() if box.value]
+
+
+def row_text(path: Path) -> str:
+    """One run in a line: its shape, how it ended, final loss and throughput."""
+    config, meta = RunConfig.load(path / "config.json"), read_meta(path)
+    steps, loss, speed = headline(path)
+    numbers = (f"loss {loss:.3f}" if not math.isnan(loss) else "no loss recorded") + \
+        (f", {speed:.0f} samples/s" if not math.isnan(speed) else "")
+    return (f"<code>{html.escape(config.task)} w{config.world_size} b{config.global_batch}"
+            f" ×{config.grad_accum} · {steps}/{config.steps} steps · "
+            f"{html.escape(meta.get('outcome', 'running'))} · {numbers}</code>")
+
+
+def headline(path: Path) -> tuple[int, float, float]:
+    """Steps recorded, final loss and whole-run samples/s (NaN where the records cannot say). Not Run.summary():
+    a run's records may lack what a full summary needs (a failed run, a function's own records)."""
+    df = Run(path).read_records()
+    steps = per_step(df)
+    loss = float(steps["loss"].iloc[-1]) if len(steps) and "loss" in steps else math.nan
+    return len(steps), loss, whole_run_throughput(df)
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """A run directory's meta.json ({} while launch has not written it yet)."""
+    try:
+        return json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError):
+        return {}

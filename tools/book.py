@@ -1,0 +1,135 @@
+"""The book's front page: site/index.html, the lessons in order, each with its one-line summary and headline figure.
+
+    python tools/book.py site/executed site      # executed notebooks in, index.html and figures/ out
+
+`make book` executes every notebook into site/executed/, converts each to site/<name>.html, then runs this.
+For each lesson: its title (the first heading), its summary (the notebook's row in README.md's table, else the
+first sentence under the title), and its headline figure: the first image of a cell tagged "headline", else of
+the first cell that calls compare(...), else the notebook's first image, else the last image a widget showed
+(the playground's panel). A lesson without any image gets no figure, not an error.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+STYLE = """body{font-family:system-ui,sans-serif;max-width:980px;margin:2em auto;padding:0 1em;color:#222}
+h1{margin-bottom:.2em} .lesson{border-top:1px solid #ddd;padding:1.2em 0}
+.lesson h2{margin:.1em 0 .3em;font-size:1.25em} .lesson p{margin:.2em 0 .8em;line-height:1.45}
+.lesson img{max-width:100%;border:1px solid #eee} a{color:#1f5fa8;text-decoration:none} code{font-size:.92em}"""
+
+
+def lesson(notebook: Path, readme_rows: dict[str, str]) -> dict[str, Any]:
+    """Title, summary and headline PNG (bytes or None) of one executed notebook."""
+    nb = json.loads(notebook.read_text())
+    cells = nb.get("cells", [])
+    first = next((_text(c) for c in cells if c.get("cell_type") == "markdown"), "")
+    heading = re.search(r"^#\s+(.+)$", first, re.M)
+    title = heading.group(1).strip() if heading else notebook.stem
+    summary = readme_rows.get(notebook.name) or _first_sentence(first[heading.end():] if heading else first)
+    return {"name": notebook.stem, "title": title, "summary": summary, "figure": headline(nb)}
+
+
+def headline(nb: dict[str, Any]) -> bytes | None:
+    code = [c for c in nb.get("cells", []) if c.get("cell_type") == "code"]
+    tagged = [c for c in code if "headline" in c.get("metadata", {}).get("tags", [])]
+    comparing = [c for c in code if re.search(r"\bcompare\(", _text(c))]
+    for group in (tagged, comparing, code):
+        for cell in group:
+            png = _first_png(cell)
+            if png is not None:
+                return png
+    return _widget_png(nb)
+
+
+def readme_table(readme: Path) -> dict[str, str]:
+    """{notebook file name: its 'what it shows' text} from README.md's notebook table."""
+    rows = {}
+    if readme.exists():
+        for match in re.finditer(r"^\|\s*`([^`]+\.ipynb)`\s*\|\s*(.+?)\s*\|\s*$", readme.read_text(), re.M):
+            rows[match.group(1)] = match.group(2)
+    return rows
+
+
+def build(executed: Path, site: Path, readme: Path = Path("README.md")) -> Path:
+    """Write site/index.html (and site/figures/<name>.png) from the executed notebooks in `executed`."""
+    rows = readme_table(readme)
+    notebooks = sorted(p for p in Path(executed).glob("*.ipynb") if not p.name.endswith(".blank.ipynb"))
+    if not notebooks:
+        raise FileNotFoundError(f"no executed notebooks in {executed}: run `make book` (it executes them first)")
+    figures = Path(site) / "figures"
+    figures.mkdir(parents=True, exist_ok=True)
+    parts = []
+    for notebook in notebooks:
+        info = lesson(notebook, rows)
+        image = ""
+        if info["figure"] is not None:
+            (figures / f"{info['name']}.png").write_bytes(info["figure"])
+            image = (f'<a href="{info["name"]}.html"><img src="figures/{info["name"]}.png" '
+                     f'alt="{_inline(info["title"])}"></a>')
+        parts.append(f'<div class="lesson"><h2><a href="{info["name"]}.html">{_inline(info["title"])}</a></h2>'
+                     f'<p>{_inline(info["summary"])}</p>{image}</div>')
+    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>labkit: the lessons</title>"
+            f"<style>{STYLE}</style></head><body><h1>labkit: the lessons</h1>"
+            f"<p>Distributed PyTorch training, debugged and sped up by running it: every lesson below was executed "
+            f"to make this page. Start at the top; each title opens the lesson with all its output.</p>"
+            + "\n".join(parts) + "</body></html>\n")
+    index = Path(site) / "index.html"
+    index.write_text(page)
+    return index
+
+
+def _text(cell: dict[str, Any]) -> str:
+    source = cell.get("source", "")
+    return "".join(source) if isinstance(source, list) else source
+
+
+def _first_png(cell: dict[str, Any]) -> bytes | None:
+    for output in cell.get("outputs", []):
+        data = output.get("data", {}).get("image/png")
+        if data:
+            return base64.b64decode("".join(data) if isinstance(data, list) else data)
+    return None
+
+
+def _widget_png(nb: dict[str, Any]) -> bytes | None:
+    state = nb.get("metadata", {}).get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {})
+    images = [m for m in state.get("state", {}).values() if m.get("model_name") == "ImageModel" and m.get("buffers")]
+    for model in reversed(images):
+        buffer = model["buffers"][0]
+        if buffer.get("encoding") == "base64" and buffer.get("data"):
+            return base64.b64decode(buffer["data"])
+    return None
+
+
+def _first_sentence(markdown: str) -> str:
+    text = " ".join(line.strip() for line in markdown.strip().split("\n\n")[0].splitlines())
+    match = re.match(r"(.+?[.!?])(\s|$)", text)
+    return (match.group(1) if match else text)[:300]
+
+
+def _inline(markdown: str) -> str:
+    """Escape for HTML; `code` and **bold** as tags."""
+    text = html.escape(markdown, quote=True)
+    text = re.sub(r"`([^`]+)`", r"<code>\1</code>", text)
+    return re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("executed", type=Path, help="folder of executed notebooks")
+    parser.add_argument("site", type=Path, help="where index.html and figures/ go (beside the lessons' HTML)")
+    parser.add_argument("--readme", type=Path, default=Path("README.md"))
+    args = parser.parse_args(argv)
+    print(f"wrote {build(args.executed, args.site, args.readme)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
