@@ -155,3 +155,16 @@ def test_detail_crashes_ddp_in_a_rank_and_the_report_says_so(runs_root, no_lefto
                       runs_root=runs_root, echo=False)
     assert info.value.reason == "signal" and "SIGSEGV" in info.value.detail
     assert "distributed.py" in info.value.traceback and "__init__" in info.value.traceback
+
+
+def test_a_stack_dump_is_taken_only_once_the_ranks_own_thread_is_written():
+    """faulthandler writes the other threads first, each block ending in a blank line; a dump read at that moment
+    lacks the rank's thread, and the rank would be reported as stuck in 'unknown code' (seen once on CI)."""
+    from labkit.run.diagnose import dump_is_whole
+    other = 'Thread 0x00007f4 (most recent call first):\n  File "/x/threading.py", line 331 in wait\n\n'
+    mine = ('Current thread 0x00007f5 (most recent call first):\n  File "/t/distributed_c10d.py", line 2 in all_reduce\n'
+            '  File "/l/labkit/run/rank.py", line 163 in rank_main\n  File "/p/process.py", line 108 in run\n')
+    assert not dump_is_whole(other, other)                  # only the other thread so far, however long we wait
+    assert not dump_is_whole(other + mine[:120], other)     # the rank's thread half written
+    assert not dump_is_whole(other + mine, other + mine[:120])   # still arriving at the last look
+    assert dump_is_whole(other + mine, other + mine)        # written, and nothing more since

@@ -30,7 +30,7 @@ from .failure import RankFailure, RankStatus
 from .rank import FINISHING, INITIALISING, Heartbeats
 from .reaping import exit_code
 
-STACK_DUMP_WAIT_S = 0.5  # after asking hung ranks for their stacks, how long to wait for the dumps
+STACK_DUMP_WAIT_S = 2.0  # after asking hung ranks for their stacks, the longest wait for the dumps (a busy machine)
 
 _TORCH_DIR = str(Path(torch.__file__).parent) + os.sep
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
@@ -141,6 +141,18 @@ def _why_this_one(cause: RankStatus, statuses: list[RankStatus], places: dict[in
             "behind (or the first to stop); compare the places")
 
 
+_RANK_THREAD = "in rank_main"  # the frame every rank's main thread runs under (rank.py)
+
+
+def dump_is_whole(text: str, at_last_look: str | None) -> bool:
+    """Whether a rank's stack dump has been written out: dump_is_whole(log_text_now, log_text_a_moment_ago).
+    faulthandler writes one thread after another, line by line, each block ending in a blank line, and the rank's
+    own thread (the one in rank_main) usually comes last: a blank line at the end is not enough (a busy machine
+    showed the watchdog a dump of the other threads only). Whole: the rank's thread is in it and nothing arrived
+    since the last look."""
+    return _RANK_THREAD in text and text.endswith("\n") and text == at_last_look
+
+
 def _dump_stacks(procs: list[Any], ranks: list[int], run_dir: Path) -> dict[int, str]:
     """Ask each rank for its Python stacks (faulthandler writes them to the rank's log); return the new text."""
     sizes = {r: _size(run_dir / f"rank{r}.log") for r in ranks}
@@ -151,11 +163,13 @@ def _dump_stacks(procs: list[Any], ranks: list[int], run_dir: Path) -> dict[int,
             pass
     deadline = time.monotonic() + STACK_DUMP_WAIT_S
     dumps: dict[int, str] = {}
+    seen: dict[int, str] = {}
     while time.monotonic() < deadline and len(dumps) < len(ranks):
         for r in ranks:
             text = _read(run_dir / f"rank{r}.log")[sizes[r]:]
-            if "most recent call first" in text and text.endswith("\n\n") or text.count("\n") > 200:
+            if dump_is_whole(text, seen.get(r)):
                 dumps[r] = text
+            seen[r] = text
         time.sleep(0.02)
     for r in ranks:
         dumps.setdefault(r, _read(run_dir / f"rank{r}.log")[sizes[r]:])
