@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -129,7 +130,7 @@ class Run:
         self.path = Path(path)
         if not self.path.is_dir():
             raise FileNotFoundError(f"no run directory at {self.path}")
-        self.meta: dict[str, Any] = _read_json(self.path / "meta.json")
+        self.meta: dict[str, Any] = read_meta(self.path)
         self._df: pd.DataFrame | None = None
 
     def __repr__(self) -> str:
@@ -187,7 +188,8 @@ class Run:
         return {
             "steps": int(len(steps)),
             "samples_per_s": whole_run_throughput(self.df),
-            "median_samples_per_s": float(later["samples_per_s"].median()) if len(later) else math.nan,
+            "median_samples_per_s": (float(later["samples_per_s"].median()) if "samples_per_s" in later and len(later)
+                                     else math.nan),  # records without timings (a function's own) have none
             "median_tokens_per_s": float(later["tokens_per_s"].median()) if "tokens_per_s" in later else math.nan,
             "final_loss": float(steps["loss"].iloc[-1]) if len(steps) else math.nan,
             "time_to_first_step_s": float(first - launched) if launched else math.nan,
@@ -206,7 +208,7 @@ class Run:
     the first record after it (`downtime_s`) and the steps recorded twice (`redone_steps`, work the failure cost).
     An attempt that failed before recording anything has its failure and no steps."""
         df = self.read_records(superseded=True)
-        noted = {a["attempt"]: a for a in _read_json(self.path / "meta.json").get("attempts", [])}
+        noted = {a["attempt"]: a for a in read_meta(self.path).get("attempts", [])}
         if df.empty:
             df = pd.DataFrame(columns=["attempt", "step", "time"])
         df = df.assign(attempt=df["attempt"].fillna(0).astype(int)) if "attempt" in df else df.assign(attempt=0)
@@ -233,7 +235,7 @@ class Run:
     @property
     def finished(self) -> bool:
         """True when the launcher saw every rank end cleanly (meta.json's outcome)."""
-        return _read_json(self.path / "meta.json").get("outcome") == "finished"
+        return read_meta(self.path).get("outcome") == "finished"
 
     def failure(self) -> str | None:
         """The failure report the launcher raised (failure.txt), or what the ranks' error files say (a torchrun
@@ -303,14 +305,24 @@ def load_run(path: str | Path) -> Run:
 
 
 def write_meta(run_dir: Path, **meta: Any) -> None:
+    """Write meta.json whole or not at all (a temporary file renamed over it): a panel or a table reading it while
+    the launcher writes never sees half a file."""
     meta.setdefault("launched_at", time.time())
-    (Path(run_dir) / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
+    path = Path(run_dir) / "meta.json"
+    partial = path.with_name(f".meta.json.{os.getpid()}.tmp")
+    partial.write_text(json.dumps(meta, indent=2, default=str))
+    os.replace(partial, path)
+
+
+def read_meta(run_dir: str | Path) -> dict[str, Any]:
+    """A run directory's meta.json:  read_meta(path).get("outcome")  ({} before the launcher has written it)."""
+    return _read_json(Path(run_dir) / "meta.json")
 
 
 def write_outcome(run_dir: Path, failure: str | None, *, stopped: bool = False) -> None:
     """How the run ended, beside its records: meta.json's outcome ("finished", "failed", or "stopped" when it was
     asked to end early) and, if it failed, the report as failure.txt."""
-    meta = _read_json(Path(run_dir) / "meta.json")
+    meta = read_meta(run_dir)
     meta.update(outcome="failed" if failure else "stopped" if stopped else "finished", ended_at=time.time())
     write_meta(run_dir, **meta)
     if failure:

@@ -111,3 +111,22 @@ def test_a_restarted_runs_records_stand_by_the_latest_attempt_and_attempts_say_w
     assert attempts[["first_step", "last_step"]].values.tolist() == [[0, 4], [3, 5]]
     assert attempts.loc[1, "downtime_s"] == pytest.approx(23.0 - 14.0) and attempts.loc[1, "redone_steps"] == 2
     assert attempts.loc[0, "failure"] == "rank 0 was killed"
+
+
+def test_summary_of_records_without_timings_says_nan_rather_than_failing(tmp_path):
+    """A function's own records (a loss, no t_step or samples) still have a summary: the loss, and NaN speeds."""
+    write_meta(tmp_path, name="own records", world_size=1)
+    (tmp_path / "rank0.jsonl").write_text("".join(json.dumps({"rank": 0, "step": s, "loss": 2.0 - s}) + "\n"
+                                                  for s in range(3)))
+    summary = Run(tmp_path).summary()
+    assert summary["steps"] == 3 and summary["final_loss"] == 0.0
+    assert all(pd.isna(summary[k]) for k in ("samples_per_s", "median_samples_per_s", "median_tokens_per_s"))
+
+
+def test_meta_is_replaced_whole_and_read_back(tmp_path):
+    from labkit.records import read_meta
+    assert read_meta(tmp_path) == {}
+    write_meta(tmp_path, name="a", world_size=2)
+    write_meta(tmp_path, **{**read_meta(tmp_path), "outcome": "finished"})
+    assert read_meta(tmp_path)["outcome"] == "finished" and read_meta(tmp_path)["name"] == "a"
+    assert [p.name for p in tmp_path.iterdir()] == ["meta.json"]   # no temporary file left beside it

@@ -51,12 +51,12 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from ..config import ConfigError, RunConfig
-from ..records import Run, read_jsonl
+from ..records import Run, read_jsonl, read_meta
 from .controls import Knob, config_from, describe, make_knobs
 from .figures import compare_figure
 from .progress import Progress
 from .show import png_bytes
-from .table import RunTable, headline, read_meta
+from .table import RunTable
 
 FIELDS = ("world_size", "global_batch", "grad_accum", "steps", "precision", "lr", "schedule", "warmup_steps",
           "clip_norm", "strategy", "faults")
@@ -288,8 +288,9 @@ def _ending(job: Job) -> str:
     steps = len(run.steps()) if run is not None else 0
     if _outcome(job) == "stopped":
         return f"Run <code>{name}</code> stopped after {steps} of {job.config.steps} steps."
-    _, loss, speed = headline(run.path)
-    return f"Run <code>{name}</code> finished: final loss {loss:.3f}, {speed:.0f} samples/s."
+    summary = run.summary()
+    return (f"Run <code>{name}</code> finished: final loss {summary['final_loss']:.3f}, "
+            f"{summary['samples_per_s']:.0f} samples/s.")
 
 
 def _outcome(job: Job) -> str | None:

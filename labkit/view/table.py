@@ -10,14 +10,12 @@ Only runs of a RunConfig are listed (they have a loss to compare), the newest `l
 from __future__ import annotations
 
 import html
-import json
 import math
 import os
 from pathlib import Path
 from typing import Any, Callable
 
-from ..config import RunConfig
-from ..records import Run, per_step, whole_run_throughput
+from ..records import Run, read_meta
 
 PAST = ("session", "all")
 
@@ -67,27 +65,12 @@ class RunTable:
 
 def row_text(path: Path) -> str:
     """One run in a line: its shape, how it ended, final loss and throughput."""
-    config, meta = RunConfig.load(path / "config.json"), read_meta(path)
-    steps, loss, speed = headline(path)
+    run = Run(path)
+    config, meta, summary = run.config, run.meta, run.summary()
+    steps, loss, speed = summary["steps"], summary["final_loss"], summary["samples_per_s"]
     numbers = (f"loss {loss:.3f}" if not math.isnan(loss) else "no loss recorded") + \
         (f", {speed:.0f} samples/s" if not math.isnan(speed) else "")
     return (f"<code>{html.escape(config.task)} w{config.world_size} b{config.global_batch}"
             f" ×{config.grad_accum} · {steps}/{config.steps} steps · "
             f"{html.escape(meta.get('outcome', 'running'))} · {numbers}</code>")
 
-
-def headline(path: Path) -> tuple[int, float, float]:
-    """Steps recorded, final loss and whole-run samples/s (NaN where the records cannot say). Not Run.summary():
-    a run's records may lack what a full summary needs (a failed run, a function's own records)."""
-    df = Run(path).read_records()
-    steps = per_step(df)
-    loss = float(steps["loss"].iloc[-1]) if len(steps) and "loss" in steps else math.nan
-    return len(steps), loss, whole_run_throughput(df)
-
-
-def read_meta(path: Path) -> dict[str, Any]:
-    """A run directory's meta.json ({} while launch has not written it yet)."""
-    try:
-        return json.loads((path / "meta.json").read_text())
-    except (OSError, ValueError):
-        return {}

@@ -20,9 +20,8 @@ from typing import Any
 
 import torch
 
-from ...run import RankFailure, launch
 from .ddp_rank import drive_ddp
-from .learner import report_failure
+from .learner import run_checked
 from .report import Report
 from .traffic import check_buckets, check_overlap, check_traffic
 
@@ -39,14 +38,10 @@ def check_ddp(wrapper_cls: Any, *, world_size: int = 2, steps: int = 3, overlap:
     crowded = f"; {world_size} ranks on {cores} cores, oversubscribed" if world_size > cores else ""
     report = Report(f"{name} on {world_size} gloo ranks, {steps} steps{crowded}", implementation=wrapper_cls)
     kwargs = {} if bucket_size_mb is None else {"bucket_size_mb": bucket_size_mb}
-    try:
-        run = launch(functools.partial(drive_ddp, wrapper_cls=wrapper_cls, kwargs=kwargs, steps=steps),
-                     world_size=world_size, timeout=timeout, echo=False, progress=False, name=f"check-{name}",
-                     runs_root=runs_root)
-    except RankFailure as failure:
-        return report_failure(report, failure)
-    report.run_dir = run.path
-    outcomes = [run.result(rank) for rank in range(world_size)]
+    outcomes = run_checked(report, functools.partial(drive_ddp, wrapper_cls=wrapper_cls, kwargs=kwargs, steps=steps),
+                           world_size=world_size, timeout=timeout, name=f"check-{name}", runs_root=runs_root)
+    if outcomes is None:
+        return report
     check_broadcast(report, outcomes)
     check_gradients(report, outcomes)
     check_traffic(report, outcomes)

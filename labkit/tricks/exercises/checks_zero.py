@@ -19,9 +19,8 @@ from typing import Any
 
 import torch
 
-from ...run import RankFailure, launch
 from ..memory import state_breakdown
-from .learner import report_failure
+from .learner import run_checked
 from .report import Report
 from .zero_rank import drive_sharded
 
@@ -40,15 +39,11 @@ def check_sharded_optimizer(sharded_cls: Any, optimizer_cls: Any = torch.optim.A
     crowded = f"; {world_size} ranks on {cores} cores, oversubscribed" if world_size > cores else ""
     report = Report(f"{name} over {inner} on {world_size} gloo ranks, {steps} steps{crowded}",
                     implementation=sharded_cls)
-    try:
-        run = launch(functools.partial(drive_sharded, sharded_cls=sharded_cls, optimizer_cls=optimizer_cls,
-                                       kwargs=kwargs, steps=steps),
-                     world_size=world_size, timeout=timeout, echo=False, progress=False, name=f"check-{name}",
-                     runs_root=runs_root)
-    except RankFailure as failure:
-        return report_failure(report, failure)
-    report.run_dir = run.path
-    outcomes = [run.result(rank) for rank in range(world_size)]
+    outcomes = run_checked(report, functools.partial(drive_sharded, sharded_cls=sharded_cls,
+                                                     optimizer_cls=optimizer_cls, kwargs=kwargs, steps=steps),
+                           world_size=world_size, timeout=timeout, name=f"check-{name}", runs_root=runs_root)
+    if outcomes is None:
+        return report
     check_agreement(report, outcomes)
     check_against_one_process(report, outcomes, inner)
     check_state(report, outcomes, optimizer_cls.__name__)

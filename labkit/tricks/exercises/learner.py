@@ -3,6 +3,7 @@
     with learner_part(ctx, "finish_gradient_synchronization", step):   # in a rank, around the learner's call
         wrapped.finish_gradient_synchronization()
     report_failure(report, failure)          # in the checker, for the RankFailure launch raised
+    outcomes = run_checked(report, drive, world_size=2, timeout=30, name="check-x", runs_root=None)
 
 A call into the learner's code that raises is written down (which part, which step, the exception, the learner's
 line) in exercise_error<rank>.json of the run directory before the rank fails, so the checker can say "not written
@@ -20,7 +21,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ...run import RankFailure
+from ...run import RankFailure, launch
 from .report import Report
 
 # Frames in these folders are not the learner's: labkit's own package, and torch.
@@ -47,6 +48,20 @@ def read_error(run_dir: Path) -> dict[str, Any] | None:
     errors = [json.loads(p.read_text()) for p in sorted(Path(run_dir).glob("exercise_error*.json"))]
     errors.sort(key=lambda e: (e["type"] != "NotImplementedError", e["time"]))
     return errors[0] if errors else None
+
+
+def run_checked(report: Report, drive: Any, *, world_size: int, timeout: float, name: str,
+                runs_root: Any) -> list[Any] | None:
+    """Launch a checker's `drive` function on `world_size` ranks and return what each rank returned, or None when a
+    rank failed (the report then says which part of the learner's code raised, hung or is not written yet)."""
+    try:
+        run = launch(drive, world_size=world_size, timeout=timeout, echo=False, progress=False, name=name,
+                     runs_root=runs_root)
+    except RankFailure as failure:
+        report_failure(report, failure)
+        return None
+    report.run_dir = run.path
+    return [run.result(rank) for rank in range(world_size)]
 
 
 def report_failure(report: Report, failure: RankFailure) -> Report:
