@@ -1,14 +1,18 @@
 """Every benchmark in bench/, one command, one table: each row a ratio of two things measured side by side in this run.
 
-    make bench                                   # .venv/bin/python bench/all.py: ~10 min on 2 busy cores
-    make bench BENCH_ARGS=--quick                # fewer samples and rounds: ~5 min
+    make bench                                   # .venv/bin/python bench/all.py: ~15 min on 2 cores
+    make bench BENCH_ARGS=--quick                # fewer samples and rounds: ~9 min
     .venv/bin/python bench/all.py --only launch,allreduce
 
 Sections (each script also runs alone and prints more):
-    launch      bench/first_launch.py: the first and second launch in fresh Jupyter kernels, labkit against a plain
-                fork, torch.multiprocessing.spawn and accelerate's notebook_launcher (the `bench` extra)
-    loop        bench/launch.py: labkit.train's throughput against a bare DDP loop, launched alternately
-    allreduce   bench/allreduce.py: labkit.comm's all_reduce busbw against a plain torch.distributed loop
+    launch      bench/first_launch.py: fresh Jupyter kernels: the first cell (import labkit) against import torch;
+                the import cell plus lesson 00's first launch against a plain fork doing the same work (DDP over
+                transformers' tiny GPT-2), torch.multiprocessing.spawn and accelerate's notebook_launcher (the
+                `bench` extra); after CUDA was (faked as) initialised, labkit's warm process against a spawn
+    loop        bench/launch.py: labkit.train's throughput against a bare DDP loop, launched alternately, in blocks
+                of two reversed rounds; where a step's time goes besides the work (cProfile)
+    allreduce   bench/allreduce.py: labkit.comm's all_reduce busbw against a plain torch.distributed loop timing the
+                same operation, in three runs
     scaling     bench/scaling.py: samples/s at 2 and 4 ranks against N x 1 rank (weak scaling efficiency)
 GPU checks are a separate script, for a machine with GPUs: bench/gpu_check.py.
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import operator
 import os
 import sys
 import time
@@ -29,7 +34,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-Row = tuple[str, float, float, float, str]  # what, labkit's figure, the reference's, their ratio, target for it
+Row = tuple[str, float, float, float, str]  # what, labkit's figure, the reference's, their ratio, the goal for it
 
 
 def launch_rows(quick: bool) -> list[Row]:
@@ -60,13 +65,27 @@ SECTIONS: dict[str, Callable[[bool], list[Row]]] = {"launch": launch_rows, "loop
                                                     "allreduce": allreduce_rows, "scaling": scaling_rows}
 
 
+def met(ratio: float, target: str) -> str:
+    """Whether `ratio` meets `target` ("<= 1", "< 1", ">= 0.97", "> 1", "0.9-1.1"): "yes", "NO", or "" (no target
+    or no ratio):  met(0.98, ">= 0.97") -> "yes"."""
+    target = target.strip()
+    if not target or math.isnan(ratio):
+        return ""
+    for op, holds in (("<=", operator.le), (">=", operator.ge), ("<", operator.lt), (">", operator.gt)):
+        if target.startswith(op):
+            return "yes" if holds(ratio, float(target[len(op):])) else "NO"
+    low, high = (float(v) for v in target.split("-"))
+    return "yes" if low <= ratio <= high else "NO"
+
+
 def table(rows: list[Row]) -> str:
     width = max(len(r[0]) for r in rows)
-    lines = [f"{'measured side by side in this run':<{width}}  {'labkit':>9}  {'reference':>9}  {'ratio':>6}  target",
-             "-" * (width + 44)]
+    lines = [f"{'measured side by side in this run':<{width}}  {'labkit':>9}  {'reference':>9}  {'ratio':>6}  "
+             f"{'goal':<9} met", "-" * (width + 54)]
     for what, ours, theirs, ratio, target in rows:
         cells = "".join(f"  {'' if math.isnan(v) else format(v, '9.3g'):>9}" for v in (ours, theirs))
-        lines.append(f"{what:<{width}}{cells}  {'' if math.isnan(ratio) else format(ratio, '6.2f'):>6}  {target}")
+        lines.append(f"{what:<{width}}{cells}  {'' if math.isnan(ratio) else format(ratio, '6.2f'):>6}  "
+                     f"{target:<9} {met(ratio, target)}")
     return "\n".join(lines)
 
 
@@ -95,7 +114,7 @@ def main() -> int:
             print(f"failed after {time.perf_counter() - t0:.0f} s\n{traceback.format_exc()}", flush=True)
     print("\n" + table(rows))
     print(f"\n(total {time.perf_counter() - started:.0f} s; load average after: {os.getloadavg()[0]:.2f}; ratio = "
-          "labkit / reference, except the paired loop row: the median of per-round ratios)")
+          "labkit / reference; a row 'paired in N rounds' has the median of its per-round ratios)")
     return 1 if failed else 0
 
 

@@ -18,12 +18,20 @@ Each check prints PASS or FAIL with what it measured; the exit status is the num
 5. precision speed (measured, not gated): fp32, bf16, fp16 samples/s of one rank on a larger tinylm, rounds
    alternated; AMP's speed is a GPU fact the CPU lessons can only describe.
 6. NCCL all_reduce busbw at 64 MiB (world G; at G=1 there is no wire: it only shows NCCL runs).
-7. the fork guard, last (it initialises CUDA here on purpose): start_method="fork" then raises LaunchError naming
-   this file's line, "auto" spawns and trains; seconds to the first step for fork (check 3) and spawn.
+7. FP8 GEMM (one rank, measured, not gated): torch._scaled_mm on E4M3 against a bf16 matmul at 8192^3 (--quick:
+   4096^3), per-tensor and per-row scales, and DeepSeek-V3's 1 x 128 / 128 x 128 blocks where this torch and GPU
+   run them; each result checked against labkit's simulation (training/fp8.py quantises, the GPU multiplies the
+   dequantised values in fp32). What the CPU lesson (20) can only simulate. SKIP below compute capability 8.9.
+8. the fork guard (it initialises CUDA here on purpose): start_method="fork" then raises LaunchError naming
+   this file's line, "spawn" trains; seconds to the first step for fork (check 3) and spawn.
+9. after CUDA, labkit's warm process: started before check 8 (forked from this process as `import labkit` forks it
+   in a notebook, CUDA untouched), "auto" now forks the ranks from it: nccl on cuda:<rank>, records with
+   cuda_peak_mb; seconds to the first step of two such launches against spawn's (check 8).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import subprocess
@@ -41,26 +49,36 @@ sys.path.insert(0, str(ROOT))  # the checkout's labkit, installed or not
 
 import labkit  # noqa: E402
 from labkit import Fault, LaunchError, RunConfig  # noqa: E402
-from labkit.run.rank import resolve_backend  # noqa: E402
+from labkit.run.session import resolve_backend  # noqa: E402
 
 RESULTS: list[tuple[str, bool, str]] = []
+
+
 MEASURED: dict[str, Any] = {}  # what one check learns and a later one needs (the GPU's memory, fork's first step)
 
 
+class Skipped(Exception):
+    """A check this machine cannot run (not a failure): printed as SKIP with the reason."""
+
+
 def check(name: str) -> Callable[[Callable[..., str]], Callable[..., None]]:
-    """Run the decorated check; an AssertionError or any exception is a FAIL with its message, else PASS."""
+    """Run the decorated check; an AssertionError or any exception is a FAIL with its message, Skipped a SKIP (not
+    counted as failed), else PASS."""
     def wrap(fn: Callable[..., str]) -> Callable[..., None]:
         def run(*args: Any) -> None:
-            started = time.perf_counter()
+            started, cuda_before = time.perf_counter(), torch.cuda.is_initialized()
             try:
                 detail, ok = fn(*args), True
+            except Skipped as exc:
+                detail, ok = f"SKIP: {exc}", True
             except Exception as exc:  # noqa: BLE001 - report and go on to the next check
                 detail, ok = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}", False
-            if torch.cuda.is_initialized() and not name.startswith("7."):
-                # This process must leave CUDA alone until check 7, or every launch after it has to spawn.
+            if torch.cuda.is_initialized() and not cuda_before and not name.startswith("8."):
+                # This process must leave CUDA alone until check 8, or every launch after it has to spawn.
                 detail, ok = f"{detail}\n(and it initialised CUDA in the checking process)", False
             RESULTS.append((name, ok, detail))
-            print(f"[{'PASS' if ok else 'FAIL'}] {name} ({time.perf_counter() - started:.1f} s)\n    "
+            verdict = "SKIP" if str(detail).startswith("SKIP") else "PASS" if ok else "FAIL"
+            print(f"[{verdict}] {name} ({time.perf_counter() - started:.1f} s)\n    "
                   + str(detail).replace("\n", "\n    "), flush=True)
         return run
     return wrap
@@ -162,7 +180,86 @@ def nccl_busbw(gpus: int, root: Path) -> str:
     return f"64 MiB, world {gpus}: {row['time_s'] * 1e3:.2f} ms, busbw {row['busbw_GBps']:.1f} GB/s"
 
 
-@check("7. fork guard")
+def fp8_gemm(ctx: Any, size: int, repeats: int) -> dict:
+    """In a rank (so that this process leaves CUDA alone): seconds per GEMM for bf16 and for torch._scaled_mm on
+    E4M3 with each scaling this GPU runs, and each FP8 result's difference from labkit's simulation of it."""
+    from labkit.training.fp8 import quantise
+    capability = torch.cuda.get_device_capability(ctx.device)
+    if capability < (8, 9):
+        return {"skipped": f"compute capability {capability}: FP8 tensor cores need 8.9 (Ada) or 9.0 (Hopper) up"}
+    g = torch.Generator(device=ctx.device).manual_seed(0)
+    a, b = (torch.randn(size, size, device=ctx.device, generator=g) for _ in range(2))   # y = a @ b.T
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    out: dict[str, Any] = {"gpu": torch.cuda.get_device_name(ctx.device), "size": size,
+                           "bf16_s": _gpu_seconds(lambda: a16 @ b16.t(), repeats)}
+    kinds = {"tensor": ("tensor", "tensor"), "row": ("tile", "tile"), "block 1x128/128x128": ("tile", "block")}
+    for name, (ka, kb) in kinds.items():
+        qa = quantise(a, "e4m3", ka, size if name == "row" else 128)
+        qb = quantise(b, "e4m3", kb, size if name == "row" else 128)
+        fa, fb = qa.data.reshape(size, size), qb.data.reshape(size, size)
+        simulated = qa.dequantise() @ qb.dequantise().t()
+        out[name] = "not run here"
+        for sa, sb in _scales(qa.scale, qb.scale, name, size):  # the layouts a scale tensor may need, in turn
+            gemm = functools.partial(torch._scaled_mm, fa, fb.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+            try:
+                y = gemm().float()
+            except (RuntimeError, ValueError) as exc:  # torch refuses a scaling this build or GPU lacks
+                out[name] = f"not run here: {str(exc).splitlines()[0][:160]}"
+                continue
+            off = ((y - simulated).norm() / simulated.norm()).item()
+            out[name] = {"s": _gpu_seconds(gemm, repeats), "vs_simulation": off}
+            if off < 1e-2:
+                break
+    return out
+
+
+def _scales(sa: torch.Tensor, sb: torch.Tensor, name: str, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """labkit's scale tensors in the shapes torch._scaled_mm reads (b's transposed: it multiplies by b.T); for the
+    blocks, a's [M, K/128] tiles both row-major and K-block-major (cuBLAS's layout), whichever this torch takes."""
+    if name == "tensor":
+        return [(sa.reshape(()), sb.reshape(()))]
+    if name == "row":
+        return [(sa.reshape(size, 1).contiguous(), sb.reshape(1, size).contiguous())]
+    blocks = size // 128
+    tiles, weight = sa.reshape(size, blocks).contiguous(), sb.reshape(blocks, blocks).t().contiguous()
+    return [(tiles, weight), (tiles.t().contiguous().t(), weight)]
+
+
+def _gpu_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    """Median seconds of fn() on the GPU, by CUDA events, after three warm-up calls."""
+    for _ in range(3):
+        fn()
+    start, end, times = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+@check("7. FP8 GEMM (one rank)")
+def fp8_speed(root: Path, size: int, repeats: int) -> str:
+    run = labkit.launch(functools.partial(fp8_gemm, size=size, repeats=repeats), world_size=1, runs_root=root,
+                        echo=False, progress=False)
+    got = run.result(0)
+    if "skipped" in got:
+        raise Skipped(got["skipped"])
+    flops, parts = 2 * size**3, [f"{got['gpu']}, {size}^3: bf16 {2 * size**3 / got['bf16_s'] / 1e12:.0f} TFLOP/s"]
+    for name in ("tensor", "row", "block 1x128/128x128"):
+        r = got[name]
+        if isinstance(r, str):
+            parts.append(f"e4m3 {name}: {r}")
+            continue
+        assert r["vs_simulation"] < 1e-2, (name, r)   # bf16 output rounding (2**-9) and accumulation order only
+        parts.append(f"e4m3 {name}: {flops / r['s'] / 1e12:.0f} TFLOP/s ({got['bf16_s'] / r['s']:.2f}x bf16; "
+                     f"{r['vs_simulation']:.1e} from labkit's simulation)")
+    assert not isinstance(got["tensor"], str), got["tensor"]   # per-tensor FP8 runs on every FP8 GPU
+    return "; ".join(parts)
+
+
+@check("8. fork guard")
 def fork_guard(gpus: int, root: Path) -> str:
     torch.zeros(1, device="cuda")  # this line initialises CUDA here: the guard must name it
     try:
@@ -172,11 +269,35 @@ def fork_guard(gpus: int, root: Path) -> str:
         named = "gpu_check.py" in str(exc) and "torch.zeros(1, device=" in str(exc)
         assert named, f"the refusal does not name the line:\n{exc}"
     cfg = RunConfig(world_size=gpus, global_batch=32 * gpus, steps=5, tensorboard=False)
-    run = labkit.launch(cfg, runs_root=root, echo=False, progress=False)  # auto: spawns
+    run = labkit.launch(cfg, runs_root=root, echo=False, progress=False, start_method="spawn")  # auto: check 9
     assert run.meta["start_method"] == "spawn" and len(run.steps()) == 5
-    spawn_s = run.summary()["time_to_first_step_s"]
+    spawn_s = MEASURED["spawn_first_step_s"] = run.summary()["time_to_first_step_s"]
     fork_s = MEASURED.get("fork_first_step_s", math.nan)
     return f"fork refused, naming the line; auto spawned and trained; first step: fork {fork_s:.2f} s, spawn {spawn_s:.2f} s"
+
+
+def warm_before_cuda() -> None:
+    """Start labkit's warm process now, forked from this process while CUDA is untouched here, as `import labkit`
+    does in a notebook (check 9 uses it once check 8 has initialised CUDA)."""
+    from labkit.run import warm
+    warm.start(afresh=False)
+
+
+@check("9. warm process after CUDA")
+def warm_after_cuda(gpus: int, root: Path) -> str:
+    assert torch.cuda.is_initialized(), "check 8 should have initialised CUDA here"
+    cfg = RunConfig(world_size=gpus, global_batch=32 * gpus, steps=5, tensorboard=False)
+    runs = [labkit.launch(cfg, runs_root=root, echo=False, progress=False) for _ in range(2)]  # auto
+    assert [r.meta["start_method"] for r in runs] == ["warm", "warm"], [r.meta["start_method"] for r in runs]
+    for run in runs:
+        devices = [r["device"] for r in run.meta.get("ranks", [])] or None
+        assert len(run.steps()) == 5 and run.df["cuda_peak_mb"].gt(0).all(), (devices, run.df.columns.tolist())
+    firsts = [r.summary()["time_to_first_step_s"] for r in runs]
+    spawn_s = MEASURED.get("spawn_first_step_s", math.nan)
+    return (f"auto forked the ranks from the warm process, on the GPUs (cuda_peak_mb "
+            f"{runs[-1].df.groupby('rank')['cuda_peak_mb'].max().round(1).tolist()}); first step: warm "
+            f"{firsts[0]:.2f} s, then {firsts[1]:.2f} s; spawn {spawn_s:.2f} s (check 8): "
+            f"{firsts[1] / spawn_s:.2f}x")
 
 
 def main() -> int:
@@ -197,7 +318,10 @@ def main() -> int:
     under_torchrun(gpus, root)
     precision_speed(root, 1 if args.quick else 3)
     nccl_busbw(gpus, root)
-    fork_guard(gpus, root)  # last: it initialises CUDA in this process
+    fp8_speed(root, 4096 if args.quick else 8192, 10 if args.quick else 30)
+    warm_before_cuda()      # forked now, while CUDA is untouched here (as import labkit does in a notebook)
+    fork_guard(gpus, root)  # it initialises CUDA in this process
+    warm_after_cuda(gpus, root)
     failed = [name for name, ok, _ in RESULTS if not ok]
     print(f"\n{len(RESULTS) - len(failed)} passed, {len(failed)} failed" + (f": {failed}" if failed else ""))
     return len(failed)

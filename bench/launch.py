@@ -1,21 +1,31 @@
 """Benchmark labkit's launcher: time to first step, and what the instrumented loop costs in throughput.
 
-    .venv/bin/python bench/launch.py            # full: ~1.5 min on 2 idle CPU cores (more on a busy machine)
-    .venv/bin/python bench/launch.py --quick    # fewer steps and rounds: ~30 s
+    .venv/bin/python bench/launch.py            # full: ~4 min on 2 CPU cores (more on a busy machine)
+    .venv/bin/python bench/launch.py --quick    # fewer steps and rounds: ~2 min
+    .venv/bin/python bench/launch.py --quick --only throughput,profile
 
 1. Startup: labkit.launch(...) call -> first recorded step, 2 ranks, tinylm. The first launch in the process is
    reported apart (cold: labkit's one-off warm imports of torch._dynamo/transformers happen there), then the
    median of later launches (warm), and one spawn launch for contrast. Target: warm < 0.5 s.
 2. Instrumentation cost: labkit.train against `bare_ddp` below (same model, data, DDP and optimizer; no records,
-   grad norm or timing). Launches alternate (bare, labkit+TB, labkit-TB, ...) so machine noise hits all alike;
-   medians and ratios are reported. Target: labkit costs < 3% of throughput. Measures over steps [WARMUP:]: total
-   wall time of the slower rank; labkit's own figure (records.per_step: sum of the slowest rank's t_step); the
-   median step's CPU time (mean rank); and the median over rounds of the total-wall ratio within a round.
-   Other jobs on a shared machine come in bursts that can swamp wall-time medians (see the spread column); the
-   per-step CPU time and the paired ratios are far less affected.
+   grad norm or timing), both launched by labkit.launch. Launches alternate (bare, labkit, then labkit, bare, ...),
+   each pinned to the same cores (labkit.measure.pinned_to) with a CpuMeter on them, after waiting (at most 5 s)
+   for other programs to leave them. Per round: the median step's CPU time (mean rank) of bare DDP over labkit's.
+   Those per-round ratios alternate with the order (on this machine the launch that goes second in a round was
+   ~10% slower per step than the first, whichever variant it was: 0.92, 1.12, 0.88, 1.09, ...), so a median of
+   rounds swung from run to run (0.94, then 1.08) by how the middle rounds fell. The figure that decides pairs
+   each round with the next, reversed one (A B then B A: each variant once in each position) and takes the
+   geometric mean of the two, which cancels the position; then the median of those blocks (target >= 0.97: labkit
+   costs < 3%).
+   Also printed: total wall time (slower rank), labkit's own per_step figure, the ratio of the 20th-percentile
+   steps, and the cores other programs kept busy ("others"): on a shared machine the rounds spread by several
+   percent, and only the median of many paired rounds means anything.
 3. Breakdown: each piece of per-step instrumentation (as labkit.train had it when this bench was written) timed
    alone, back to back, inside a rank (median), as a share of a bare step's CPU time; "in loop" says whether
    labkit's per-step path still does it.
+
+4. Profile: labkit.train under cProfile in rank 0: the calls its loop makes once a step or more, ms per step and
+   share (upper bounds: cProfile's own cost inflates Python-heavy calls), and inside optimizer_step.
 
 All figures that matter are ratios measured in this run; absolute times are for orientation only.
 """
@@ -25,6 +35,7 @@ import argparse
 import inspect
 import math
 import os
+import random
 import shutil
 import statistics
 import tempfile
@@ -37,11 +48,18 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import labkit
-from labkit.training.loop import make_optimizer, memory_fields
+from labkit.training.loop import memory_fields
+from labkit.training.optim import make_optimizer
+from labkit.measure import CpuMeter, pinned_to, usable_cores
+from labkit.measure.cores import wait_for_quiet
 from labkit.records import RankRecorder
 from labkit.training.tasks import make_task
 
 WARMUP = 5          # steps left out of throughput (allocator, DDP bucket rebuild on the first backward)
+# Steps per launch and rounds (one launch of each variant per round; an even number: blocks of two, A B then B A).
+LOW_QUANTILE = 0.2
+QUIET_CORES, QUIET_WAIT_S = 0.25, 5.0  # before each launch, wait (at most 5 s) for other programs to leave the cores
+STEPS_QUICK, ROUNDS_QUICK, STEPS_FULL, ROUNDS_FULL = 40, 24, 60, 40
 REPS = 100          # times each piece is timed in the breakdown
 STARTUP_TARGET_S, OVERHEAD_TARGET = 0.5, 0.03
 Figures = dict[str, list[float]]  # one variant's figures (samples/s by each measure, ...), one value per round
@@ -165,7 +183,8 @@ def measure(target: Any, cfg: labkit.RunConfig, root: str) -> dict[str, float]:
     wall, cpu = (np.array(ends[k].tolist()) for k in ("end_wall", "end_cpu"))  # [rank, step]
     step_cpu = np.diff(cpu)[:, WARMUP - 1:]  # steps WARMUP..: a step runs from the end of the one before
     out = {"wall": samples / (wall[:, -1] - wall[:, WARMUP - 1]).max(),
-           "cpu": cfg.global_batch / np.median(step_cpu.mean(axis=0)), "launch_s": time.perf_counter() - called}
+           "cpu": cfg.global_batch / np.median(step_cpu.mean(axis=0)), "launch_s": time.perf_counter() - called,
+           "cpu_low": cfg.global_batch / np.quantile(step_cpu, LOW_QUANTILE, axis=1).mean()}
     if target is instrumented:
         steps = df[(df["step"] >= WARMUP) & (df["step"] < cfg.steps)]
         out["per_step"] = samples / steps.groupby("step")["t_step"].max().sum()
@@ -174,11 +193,22 @@ def measure(target: Any, cfg: labkit.RunConfig, root: str) -> dict[str, float]:
 
 def alternate(variants: dict[str, tuple[Callable[..., Any], labkit.RunConfig]], root: str,
               rounds: int) -> dict[str, Figures]:
-    """Every figure of each variant, launched in turn, `rounds` times over, so slow spells hit all alike."""
+    """Every figure of each variant, `rounds` times over, the order reversed every other round (A B, B A, ...) so
+    that slow spells hit all alike; each block of two rounds runs back to back, after waiting for quiet cores. Every launch runs pinned to the same cores (measure.pinned_to: its ranks inherit
+    them) with a meter on those cores: "others" is the cores other programs kept busy during its steps."""
     out: dict[str, Figures] = {name: {} for name in variants}
-    for _ in range(rounds):
-        for name, (target, cfg) in variants.items():
-            for key, value in measure(target, cfg, root).items():
+    names = list(variants)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            target, cfg = variants[name]
+            cores = min(cfg.world_size, usable_cores())
+            if r % 2 == 0 and name == names[0]:
+                wait_for_quiet(cores, QUIET_CORES, QUIET_WAIT_S)  # before a block: its four launches back to back
+            with pinned_to(cores), CpuMeter() as meter:
+                started = time.time()
+                figures = measure(target, cfg, root)
+                figures["others"] = meter.cores_busy(started, time.time())[1]
+            for key, value in figures.items():
                 out[name].setdefault(key, []).append(value)
     return out
 
@@ -203,50 +233,96 @@ def ratios(res: Figures, base: Figures) -> dict[str, float]:
     m, b = ({k: statistics.median(v) for k, v in r.items()} for r in (res, base))
     return {"total wall": m["wall"] / b["wall"], "per_step": m.get("per_step", math.nan) / b["wall"],
             "CPU/step": m["cpu"] / b["cpu"],
-            "paired": statistics.median(v / b for v, b in zip(res["wall"], base["wall"]))}  # same round
+            "paired": statistics.median(v / b for v, b in zip(res["wall"], base["wall"])),  # same round
+            "CPU/step paired": statistics.median(blocks(paired_cpu(res, base)))}
+
+
+def interval(values: list[float], level: float = 0.9, resamples: int = 2000) -> tuple[float, float]:
+    """A bootstrap interval for the median of `values` (seeded: the same values give the same interval): how far
+    the figure that decides could move if the benchmark were run again on this machine."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int((1 - level) / 2 * resamples)], medians[int((1 + level) / 2 * resamples) - 1]
+
+
+def blocks(per_round: list[float]) -> list[float]:
+    """Rounds 2k and 2k+1 (A B, then B A) as one figure, the geometric mean of their ratios: each variant ran once
+    first and once second, so what the position in a round does cancels."""
+    return [math.sqrt(a * b) for a, b in zip(per_round[::2], per_round[1::2])]
+
+
+def paired_cpu(res: Figures, base: Figures) -> list[float]:
+    """Per round, a variant's samples/s by CPU per step over bare DDP's in the same round (drift cancels)."""
+    return [v / b for v, b in zip(res["cpu"], base["cpu"])]
 
 
 def throughput(cfg: labkit.RunConfig, root: str, rounds: int) -> tuple[dict[str, Figures], dict[str, dict]]:
-    """bare DDP, labkit with TensorBoard, labkit without, alternated: every figure, and the ratios to bare DDP."""
-    tb = cfg.replace(tensorboard=True)
-    res = alternate({"bare DDP": (bare_ddp, cfg), "labkit, TensorBoard": (instrumented, tb),
-                     "labkit, no TB": (instrumented, cfg)}, root, rounds)
+    """bare DDP and labkit.train, alternated on pinned cores: every figure, and the ratios to bare DDP."""
+    res = alternate({"bare DDP": (bare_ddp, cfg), "labkit.train": (instrumented, cfg)}, root, rounds)
     return res, {name: ratios(r, res["bare DDP"]) for name, r in res.items()}
 
 
 def overhead_rows(quick: bool = True) -> list[tuple[str, float, float, float, str]]:
     """Rows for bench/all.py, (what, labkit, bare DDP, ratio, target): labkit.train's samples/s against the bare
-    DDP loop's, launched alternately; by the median step's CPU time, and by wall time paired within each round."""
-    steps, rounds = (30, 4) if quick else (80, 7)
+    DDP loop's, launched alternately on pinned cores, by CPU per step in blocks of two reversed rounds (the figure
+    that decides), by wall time likewise; and where a step's time goes besides the work (cProfile)."""
+    steps, rounds = (STEPS_QUICK, ROUNDS_QUICK) if quick else (STEPS_FULL, ROUNDS_FULL)
     root = tempfile.mkdtemp(prefix="labkit-bench-")
     try:
-        res, table = throughput(labkit.RunConfig(world_size=2, steps=steps, tensorboard=False), root, rounds)
+        cfg = labkit.RunConfig(world_size=2, steps=steps, tensorboard=False)
+        res = alternate({"bare DDP": (bare_ddp, cfg), "labkit.train": (instrumented, cfg)}, root, rounds)
+        profile = launch(profiled, cfg.replace(steps=60), root).result(0)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    med = {name: {k: statistics.median(v) for k, v in r.items()} for name, r in res.items()}
-    ours, bare, target = med["labkit, TensorBoard"], med["bare DDP"], f">= {1 - OVERHEAD_TARGET:.2f}"
-    return [("loop samples/s by CPU per step: labkit.train / bare DDP", ours["cpu"], bare["cpu"],
-             table["labkit, TensorBoard"]["CPU/step"], target),
-            (f"loop samples/s by wall, paired in {rounds} rounds: same", ours["wall"], bare["wall"],
-             table["labkit, TensorBoard"]["paired"], target)]
+    table = ratios(res["labkit.train"], res["bare DDP"])
+    ours, bare = ({k: statistics.median(v) for k, v in res[n].items()} for n in ("labkit.train", "bare DDP"))
+    per_block = sorted(blocks(paired_cpu(res["labkit.train"], res["bare DDP"])))
+    wall_blocks = blocks([v / b for v, b in zip(res["labkit.train"]["wall"], res["bare DDP"]["wall"])])
+    target = f">= {1 - OVERHEAD_TARGET:.2f}"
+    total = sum(profile["train"].values())
+    extra = sum(s for n, s in profile["train"].items() if not n.startswith(WORK))
+    top = max(((n, s) for n, s in profile["train"].items() if not n.startswith(WORK)), key=lambda kv: kv[1],
+              default=("none", 0.0))
+    low, high = interval(per_block)
+    return [(f"loop samples/s by CPU per step, median of {len(per_block)} blocks of 2 reversed rounds (90% "
+             f"bootstrap interval {low:.3f}-{high:.3f}): labkit.train / bare DDP", ours["cpu"], bare["cpu"],
+             table["CPU/step paired"], target),
+            (f"loop samples/s by wall, {len(wall_blocks)} blocks likewise: same", ours["wall"], bare["wall"],
+             statistics.median(wall_blocks), target),
+            (f"  where it goes (cProfile, an upper bound): ms/step besides forward+backward and the optimizer step "
+             f"/ a step's; most: {top[0].split(' (')[0]} {top[1] * 1e3:.2f} ms", extra * 1e3, total * 1e3,
+             extra / total, f"<= {OVERHEAD_TARGET}")]
+
+
+def quartiles(values: list[float]) -> str:
+    """The first and third quartiles, "0.97-0.99": how far the rounds spread around their median."""
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    return f"{q[0]:.2f}-{q[2]:.2f}"
 
 
 def report_throughput(cfg: labkit.RunConfig, root: str, rounds: int) -> None:
     res, table = throughput(cfg, root, rounds)
     med = {name: {k: statistics.median(v) for k, v in r.items()} for name, r in res.items()}
-    print(f"\n2. throughput, steps {WARMUP}..{cfg.steps - 1}, {rounds} rounds alternated; ratios to bare DDP\n"
-          f"  {'variant':<20}{'samples/s':>10}{'spread':>8}" + "".join(f"{k:>12}" for k in table["bare DDP"])
-          + f"{'launch s':>10}")
+    print(f"\n2. throughput, steps {WARMUP}..{cfg.steps - 1}, {rounds} rounds alternated on pinned cores; ratios to "
+          f"bare DDP\n  {'variant':<14}{'samples/s':>10}{'spread':>8}" + "".join(f"{k:>16}" for k in table["bare DDP"])
+          + f"{'launch s':>10}{'others':>8}")
     for name, row in table.items():
         spread = (max(res[name]["wall"]) - min(res[name]["wall"])) / med[name]["wall"]
-        cells = "".join(" " * 12 if math.isnan(v) else f"{v:>12.3f}" for v in row.values())
-        print(f"  {name:<20}{med[name]['wall']:>10.0f}{spread:>8.0%}{cells}{med[name]['launch_s']:>10.2f}")
-    for name in ("labkit, TensorBoard", "labkit, no TB"):  # overhead = 1 - ratio
-        print(f"  {name}, overhead (target < {OVERHEAD_TARGET:.0%}): " + ", ".join(
-            f"{k} {1 - v:.1%} {'MET' if 1 - v < OVERHEAD_TARGET else 'NOT MET'}" for k, v in table[name].items()))
-    on, off = table["labkit, TensorBoard"], table["labkit, no TB"]
-    print("  TensorBoard on / off: " + ", ".join(f"{k} {on[k] / off[k]:.3f}" for k in on) + "; the launch() call "
-          f"takes {med['labkit, TensorBoard']['launch_s'] / med['labkit, no TB']['launch_s']:.2f}x as long")
+        cells = "".join(" " * 16 if math.isnan(v) else f"{v:>16.3f}" for v in row.values())
+        print(f"  {name:<14}{med[name]['wall']:>10.0f}{spread:>8.0%}{cells}{med[name]['launch_s']:>10.2f}"
+              f"{med[name]['others']:>8.2f}")
+    per_round = paired_cpu(res["labkit.train"], res["bare DDP"])
+    per_block = blocks(per_round)
+    print("  CPU/step ratio per block of two reversed rounds: " + " ".join(f"{v:.3f}" for v in per_block)
+          + "  (90%% bootstrap interval of their median: %.3f-%.3f)" % interval(per_block))
+    low = [v / b for v, b in zip(res["labkit.train"]["cpu_low"], res["bare DDP"]["cpu_low"])]
+    print("  low-quantile CPU/step ratio per round: " + " ".join(f"{v:.3f}" for v in low)
+          + f"  (middle half {quartiles(sorted(low))}, median {statistics.median(low):.3f})")
+    print("  CPU/step ratio per round: " + " ".join(f"{v:.3f}" for v in per_round)
+          + f"  (middle half {quartiles(sorted(per_round))})")
+    ratio = table["labkit.train"]["CPU/step paired"]
+    print(f"  labkit.train overhead by CPU/step, paired: {1 - ratio:.1%} (target < {OVERHEAD_TARGET:.0%}: "
+          f"{'MET' if 1 - ratio < OVERHEAD_TARGET else 'NOT MET'}); 'others': cores other programs kept busy")
 
 
 def report_pieces(cfg: labkit.RunConfig, root: str) -> None:
@@ -264,19 +340,73 @@ def report_pieces(cfg: labkit.RunConfig, root: str) -> None:
     print(f"  pieces in labkit's loop now: {now / step:.2%} of a step; all five: {sum(costs.values()) / step:.2%}")
 
 
+def profiled(ctx: Any) -> dict[str, Any] | None:
+    """labkit.train(ctx) under cProfile; rank 0 returns the seconds per step of each call that train's loop and
+    optimizer_step make once a step or more (cumulative, through that caller only). One-off calls (set-up, the
+    final save) are left out, so this is the steady step (the first steps, slower, are in it: run enough steps)."""
+    import cProfile
+    import pstats
+    profile, steps = cProfile.Profile(), ctx.config.steps
+    profile.runcall(labkit.train, ctx)
+    if ctx.rank:
+        return None
+    stats = pstats.Stats(profile).stats  # {(file, line, name): (calls, primitive calls, tottime, cumtime, callers)}
+
+    def calls_from(name: str, file_end: str) -> dict[str, float]:
+        caller = next(f for f in stats if f[2] == name and f[0].endswith(file_end))
+        out = {}
+        for func, (_, _, _, _, callers) in stats.items():
+            calls, _, _, cumtime = callers.get(caller, (0, 0, 0.0, 0.0))  # func's calls from `caller` only
+            if calls >= steps:
+                where = func[0].split("/labkit/")[-1] if "/labkit/" in func[0] else func[0].rsplit("/", 1)[-1]
+                out[f"{func[2]} ({where}:{func[1]})"] = cumtime / steps
+        return out
+
+    return {"train": calls_from("train", "loop.py"), "optimizer_step": calls_from("optimizer_step", "nonfinite.py")}
+
+
+# What bare_ddp's step does too (the work itself): everything else train's loop calls is instrumentation or features.
+WORK = ("_forward_backward", "optimizer_step")
+
+
+def report_profile(cfg: labkit.RunConfig, root: str, top: int = 10) -> None:
+    """Where labkit.train's steady step goes, by cProfile in rank 0: the calls train's loop makes, ms per step."""
+    out = launch(profiled, cfg, root).result(0)
+    train = sorted(out["train"].items(), key=lambda kv: -kv[1])
+    total = sum(out["train"].values())
+    print(f"\n4. profile: labkit.train under cProfile, rank 0, {cfg.steps} steps: {total * 1e3:.2f} ms "
+          f"per step in the calls its loop makes\n   (cProfile's own cost inflates Python-heavy calls: shares are "
+          f"upper bounds)\n  {'call from train':<64}{'ms/step':>9}{'share':>8}")
+    for name, seconds in train[:top]:
+        print(f"  {name:<64}{seconds * 1e3:>9.3f}{seconds / total:>8.1%}")
+    extra = sum(s for n, s in train if not n.startswith(WORK))
+    print(f"  every call but {' and '.join(WORK)}: {extra * 1e3:.3f} ms, {extra / total:.1%} of a step")
+    print(f"  {'inside optimizer_step':<64}")
+    for name, seconds in sorted(out["optimizer_step"].items(), key=lambda kv: -kv[1])[:6]:
+        print(f"    {name:<62}{seconds * 1e3:>9.3f}{seconds / total:>8.1%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (~40 s)")
+    parser.add_argument("--only", default="startup,throughput,pieces,profile",
+                        help="comma-separated sections: startup, throughput, pieces, profile")
     args = parser.parse_args()
-    steps, rounds, warm_runs = (30, 4, 3) if args.quick else (80, 7, 5)
+    only = args.only.split(",")
+    steps, rounds, warm_runs = (STEPS_QUICK, ROUNDS_QUICK, 3) if args.quick else (STEPS_FULL, ROUNDS_FULL, 5)
     load = os.getloadavg()[0]  # other work on these 2 cores makes wall-time ratios noisier: say so
     print(f"load average before: {load:.2f}" + ("  (busy: trust CPU/step, paired, section 3)" if load > 0.5 else ""))
     root, t0 = tempfile.mkdtemp(prefix="labkit-bench-"), time.perf_counter()  # nothing lands in the repo
     try:
-        report_startup(root, warm_runs)
+        if "startup" in only:
+            report_startup(root, warm_runs)
         cfg = labkit.RunConfig(world_size=2, steps=steps, tensorboard=False)
-        report_throughput(cfg, root, rounds)
-        report_pieces(cfg.replace(steps=WARMUP + 20), root)
+        if "throughput" in only:
+            report_throughput(cfg, root, rounds)
+        if "pieces" in only:
+            report_pieces(cfg.replace(steps=WARMUP + 20), root)
+        if "profile" in only:
+            report_profile(cfg.replace(steps=60), root)
         print(f"\n(total {time.perf_counter() - t0:.0f} s; load average after: {os.getloadavg()[0]:.2f})")
     finally:
         shutil.rmtree(root, ignore_errors=True)

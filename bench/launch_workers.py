@@ -1,37 +1,41 @@
-"""One tiny DDP job, started by four launchers (bench/first_launch.py): the work is the same, only the start differs.
+"""Lesson 00's first step, started by launchers other than labkit (bench/first_launch.py): the work is labkit's, only
+the start differs.
 
-Each rank joins a gloo group, wraps a small MLP in DistributedDataParallel (whose first construction imports
-torch._dynamo in a process that has not), takes one optimizer step, and rank 0 writes the wall time at which that
-step ended to $FIRST_STEP_OUT. Importable by spawned children (bench/ is on their sys.path), so nothing here may
-be defined in a notebook cell.
+Each rank joins a gloo group, builds transformers' tiny GPT-2 as labkit's tinylm task does (vocabulary 64, 32
+positions, width 64, 2 layers, 4 heads), wraps it in DistributedDataParallel (whose first construction imports
+torch._dynamo in a process that has not), takes one AdamW step on 16 sentences of 32 tokens, and rank 0 writes the
+wall time at which that step ended to $FIRST_STEP_OUT. labkit's side is `labkit.launch(RunConfig(world_size=2,
+steps=3))`, lesson 00's first launch, which does this and records it. Nothing here imports labkit (its import
+would be a cost labkit's rivals do not pay), and everything is importable by spawned children (bench/ is on their
+sys.path), so nothing is defined in a notebook cell.
 """
 from __future__ import annotations
 
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
+VOCAB, SEQ, WIDTH, LAYERS, HEADS, BATCH_PER_RANK = 64, 32, 64, 2, 4, 16  # labkit's tinylm, model_size="tiny"
+
 
 def first_step(rank: int) -> None:
-    """Build the DDP model and take one step; rank 0 notes when it ended."""
+    """Build the DDP GPT-2 and take one optimizer step; rank 0 notes when it ended."""
     from torch.nn.parallel import DistributedDataParallel as DDP
+    from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    model(torch.randn(16, 32)).pow(2).mean().backward()
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=WIDTH, n_layer=LAYERS, n_head=HEADS,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = DDP(GPT2LMHeadModel(config))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    tokens = torch.randint(VOCAB, (BATCH_PER_RANK, SEQ + 1), generator=torch.Generator().manual_seed(rank))
+    logits = model(input_ids=tokens[:, :-1]).logits
+    torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
     optimizer.step()
     if rank == 0:
         Path(os.environ["FIRST_STEP_OUT"]).write_text(repr(time.time()))
-
-
-def labkit_rank(ctx: Any) -> None:
-    """labkit.launch(labkit_rank, world_size=2): the group exists already; the step is recorded as usual."""
-    first_step(ctx.rank)
-    ctx.record(0)
 
 
 def plain_rank(rank: int, world: int, port: int) -> None:

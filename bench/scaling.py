@@ -19,9 +19,8 @@ import tempfile
 from typing import Any
 
 from labkit import RunConfig
-from labkit.measure import interleaved
+from labkit.measure import interleaved, usable_cores
 from labkit.tricks import scaling
-from labkit.tricks.comm import usable_cores
 
 OTHERS = "others' cores"
 

@@ -9,36 +9,77 @@
 
 Your own function runs the same way: labkit.launch(fn, world_size=2), where fn(ctx) may be defined in a cell.
 
-The package, from the ground up (each room imports only from the rooms before it):
-    config.py, records.py   the base: what a run is, and what it leaves on disk
-    training/               what runs inside a rank: the loop, tasks, data, schedules, comm hooks, faults, seeds
-    view/                   what a person looks at: figures, the live view
-    run/                    starting and watching ranks: launch, the rank's side, failure reports
-    measure/                measuring speed honestly: pinned cores, who else used them
+The package, from the ground up (each room imports only from the rooms before it; README's Layout has every file):
+    config.py, rundir.py, records.py, memory.py   the base: what a run is, what it leaves on disk, ZeRO's formulas
+    training/               what runs inside a rank: the loop, tasks, data, lr, parallel/ strategies, state/
+    view/                   what a person looks at: figures, the live view, a run in a terminal
+    run/                    starting and watching ranks: launch, one rank session for both launchers, failures
+    measure/, app/          measuring speed honestly; the control panel (labkit.panel)
     tricks/                 the science behind each lesson
+    exercises/              build DDP and ZeRO yourself (labkit.exercises)
     cli.py                  python -m labkit ...
 """
+import importlib
+
 from .config import ConfigError, Fault, RunConfig, pick, quick_mode
-from .records import Run, load_run
-from .run import LaunchError, RankContext, RankFailure, launch
-from .training.loop import NonFiniteLoss, train
-from .tricks import memory
-from .view import compare, curves
+from . import memory
+from . import run  # noqa: F401 - the CUDA tracker (run/cuda_guard.py)
+from .run import warm as _warm
+
+# Imported at first use, so that `import labkit` costs about what `import torch` does: the launcher and the records
+# bring pandas, the figures matplotlib, the training loop transformers.
+_LAZY = {"Run": ".records", "load_run": ".records", "launch": ".run", "LaunchError": ".run", "RankFailure": ".run",
+         "RankContext": ".run", "NonFiniteLoss": ".training.loop", "train": ".training.loop",
+         "make_task": ".training.tasks"}
+
+
+def __getattr__(name: str) -> object:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 
 
+def compare(runs, **options):
+    """Throughput | loss | learning rate of `runs`, one line each, side by side; shown once in a notebook:
+
+        labkit.compare([one, two])             # options: x="samples", smooth=5, labels=[...], title="..."
+
+    labkit.view.compare, imported at the first call (matplotlib is not imported by `import labkit`)."""
+    from .view import compare as draw
+    return draw(runs, **options)
+
+
+def curves(runs, column: str, **options):
+    """One recorded quantity of several runs (mean over ranks), one line each:  labkit.curves(runs, "grad_norm").
+    Options: x, labels, title, ylabel. labkit.view.curves, imported at the first call."""
+    from .view import curves as draw
+    return draw(runs, column, **options)
+
+
 def panel(config: RunConfig | None = None, **options):
     """A control panel that launches runs: knobs for `fields` of `config`, Run and Stop, a bar per run, the live
-    side-by-side figure, and past runs to tick (labkit/view/panel.py):
+    side-by-side figure, and past runs to tick (labkit/app/panel.py):
 
         labkit.panel(RunConfig(steps=40), fields=["world_size", "lr", "clip_norm", "faults"])
 
     options: fields (names, or {tab title: names}), runs_root, timeout and max_restarts (launch's), past
     ("session" or "all"), live_every_s (None: draw the figure only when a run ends)."""
-    from .view.panel import Panel
-    return Panel(config if config is not None else RunConfig(), launch=launch, **options)
+    from .app.panel import Panel
+    return Panel(config if config is not None else RunConfig(), **options)
 
 
 __all__ = ["RunConfig", "Fault", "ConfigError", "pick", "quick_mode", "launch", "LaunchError", "RankFailure",
-           "train", "NonFiniteLoss", "compare", "curves", "panel", "RankContext", "Run", "load_run", "memory"]
+           "train", "NonFiniteLoss", "compare", "curves", "panel", "RankContext", "Run", "load_run", "memory",
+           "make_task"]
+
+# Last, once this module is whole: in a notebook, the warm process is forked from here now (run/warm.py).
+_warm.start_on_import()

@@ -18,21 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import constraints
 from .fault import Fault, as_faults, fault_shape
-from .rules import Rule, boolean, integer, is_int, is_number, number, one_of, optional, shown, text
-
-TASKS = ("tinylm", "digits")
-MODEL_SIZES = ("tiny", "small", "base")
-OPTIMIZERS = ("sgd", "adam", "adamw")
-SCHEDULES = ("constant", "linear", "cosine", "cosine_restarts", "polynomial", "plateau")
-PRECISIONS = ("fp32", "bf16", "fp16")
-BACKENDS = ("auto", "gloo", "nccl", "mpi")
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "tp", "fsdp+tp")  # labkit/training/strategies.py says what each is
-TP_STRATEGIES = ("tp", "fsdp+tp")
-TP_DEGREES = (1, 2, 4)  # divide the attention heads of every tinylm size (4, 4, 8)
-COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd")
-NAN_POLICIES = ("raise", "alone", "stop", "skip", "ignore")
-CHECKPOINT_FORMATS = ("auto", "full", "dcp")
+from .rules import (  # noqa: F401 - the choices are re-exported (labkit.config.V_SCHEDULES): rules.py owns them
+    BACKENDS, BALANCING, CHECKPOINT_FORMATS, COMM_HOOKS, FP8_FORMATS, FP8_SCALINGS, LAYERS, MODEL_SIZES, NAN_POLICIES,
+    OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_SHAPES, PRECISIONS, SCHEDULES, SINGLE_STAGE_SCHEDULES, STRATEGIES, TASKS,
+    RULES, TP_DEGREES, TP_STRATEGIES, V_SCHEDULES, shown)
 
 
 class ConfigError(ValueError):
@@ -54,7 +45,8 @@ class RunConfig:
     """Everything that defines one training run. Frozen: derive variants with `cfg.replace(...)`."""
 
     task: str = "tinylm"
-    """"tinylm": a tiny GPT-2 on synthetic text with a known loss floor; "digits": an MLP on sklearn's 8x8 digits."""
+    """"tinylm": a tiny GPT-2 on synthetic text with a known loss floor; "digits": an MLP on sklearn's 8x8 digits;
+    "tinymoe": a toy DeepSeek-V3 (transformers' MLA + mixture of experts) on a mixture of synthetic languages."""
     model_size: str = "tiny"
     """"tiny" | "small" | "base": width and depth of the task's model."""
     world_size: int = 2
@@ -79,7 +71,7 @@ class RunConfig:
     """Shape of the LR after warmup: "constant" | "linear" | "cosine" (decay to min_lr_ratio * lr at the last step);
     transformers' own "cosine_restarts" (cosine with hard restarts and warmup, `cycles`) | "polynomial"
     (`poly_power`, down to min_lr_ratio * lr); "plateau": torch's ReduceLROnPlateau on the held-out loss, measured
-    every eval_every steps and all-reduced over ranks (training/schedule.py, training/plateau.py)."""
+    every eval_every steps and all-reduced over ranks (training/lr.py, training/plateau.py)."""
     warmup_steps: int = 0
     """Linear warmup from lr/warmup_steps up to lr over this many steps (transformers' schedules start from 0)."""
     min_lr_ratio: float = 0.0
@@ -98,7 +90,7 @@ class RunConfig:
     clip_norm: float | None = None
     """Clip the global gradient norm to this value; None records the norm without clipping."""
     precision: str = "fp32"
-    """"fp32" | "bf16" | "fp16" (autocast; fp16 also uses a GradScaler)."""
+    """"fp32" | "bf16" | "fp16" (autocast; fp16 also uses a GradScaler) | "fp8" (matmuls in simulated FP8: fp8_*)."""
     seed: int = 0
     """Seeds model init and the data stream; equal on every rank."""
     deterministic: bool = False
@@ -109,7 +101,27 @@ class RunConfig:
     """How the model is spread over the ranks: "ddp" (every rank holds everything), "zero1" (optimizer state
     sharded: ZeroRedundancyOptimizer), "zero2" (and gradients: FSDP2 without resharding after forward), "fsdp"
     (and parameters: FSDP2, ZeRO-3), "tp" (each block's matrices split over all ranks; tinylm), "fsdp+tp"
-    (a 2-D mesh: world_size/2 FSDP ranks x 2 tensor-parallel; tinylm, world_size 4, 6, ...). See parallel_dims."""
+    (a 2-D mesh: world_size/2 FSDP ranks x 2 tensor-parallel; world_size 4, 6, ...), "pp" (the model cut into
+    stages of blocks, one pipeline over pipeline_ranks ranks; world_size / pipeline_ranks data-parallel replicas
+    of it). tinymoe: "ddp", "fsdp", "fsdp+tp", "pp" (constraints.MOE_STRATEGIES). See parallel_dims."""
+    pipeline_ranks: int = 0
+    """"pp": ranks in each pipeline; world_size / pipeline_ranks pipelines run as data-parallel replicas on a 2-D
+    mesh (4 ranks, pipeline_ranks 2: 2 stages x 2 replicas). 0: every rank in one pipeline."""
+    microbatches: int = 4
+    """"pp": microbatches each pipeline step splits its replica's batch into (the pipeline's own accumulation)."""
+    pipeline_schedule: str = "1F1B"
+    """"pp": the order stages run their microbatches, by torch.distributed.pipelining's name: "GPipe", "1F1B"
+    (one stage per rank); "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble" (stages_per_rank >= 2, looped);
+    "ZBVZeroBubble", "DualPipeV" (exactly 2 stages per rank, in a V). Not `schedule`: that is the LR's."""
+    stages_per_rank: int = 1
+    """"pp": stages each rank holds (v): 1 for GPipe/1F1B, 2 for the V-shaped schedules, >= 2 for the looped ones."""
+    pipeline_shapes: str = "inferred"
+    """"pp": how stages learn the shapes they exchange: "inferred" (sent on the first step; needs numpy), "fixed"
+    (example tensors given to every stage), "fixed_no_grad" (the trap: a later stage's example input without
+    requires_grad; earlier stages then train on wrong gradients, silently)."""
+    pipeline_check: bool = True
+    """"pp": on the first step, compare every gradient with the unsplit model's on the same batch and raise
+    PipelineGradientError naming the stage and parameter when they differ (catches "fixed_no_grad")."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size."""
     comm_hook: str = "allreduce"
@@ -132,7 +144,7 @@ class RunConfig:
     checkpoint_every: int = 0
     """Save a checkpoint under runs/<id>/checkpoints/ after every this many steps (0: never): model, optimizer,
     GradScaler and plateau state, every rank's RNG streams, the data position and the step, written atomically
-    (training/checkpoint.py). A run that finds a checkpoint in its directory resumes from it: launch(...,
+    (training/state/checkpoint.py). A run that finds a checkpoint in its directory resumes from it: launch(...,
     resume_from=...) and launch(..., max_restarts=N) rely on that, and so does torchrun --max-restarts."""
     checkpoint_keep: int = 2
     """How many of the newest checkpoints to keep (older ones are deleted once a newer one is complete)."""
@@ -145,15 +157,47 @@ class RunConfig:
     each rank's torch generator: state that a checkpoint must carry for a resumed run to match an uninterrupted one."""
     seq_len: int = 32
     """tinylm: tokens per sample."""
+    layers: int = 0
+    """tinylm (tinymoe): transformer blocks (decoder layers); 0: the model_size's own (rules.LAYERS: tiny 2, small
+    4, base 6; tinymoe 2, 2, 4). A pipeline of 4 stages needs a multiple of 4."""
     vocab_size: int = 64
     """tinylm: vocabulary of the synthetic language."""
     branching: int = 4
     """tinylm: each token is followed by one of this many tokens, uniformly: the loss floor is ln(branching)."""
+    languages: int = 4
+    """tinymoe: synthetic languages mixed, each on its own vocab_size / languages tokens (moe_task.py)."""
+    language_skew: float = 0.0
+    """tinymoe: language l is drawn with probability proportional to (l + 1) ** -language_skew (0: uniform)."""
+    experts: int = 8
+    """tinymoe: routed experts per MoE layer (DeepSeek-V3: 256), beside one shared expert."""
+    top_k: int = 2
+    """tinymoe: routed experts per token (DeepSeek-V3: 8)."""
+    expert_groups: int = 2
+    """tinymoe: groups of routed experts (transformers' n_group, at least 2 experts each; DeepSeek-V3: 8 nodes)."""
+    group_top_k: int = 1
+    """tinymoe: groups a token may use, chosen first (topk_group; DeepSeek-V3: 4, "at most 4 nodes")."""
+    balancing: str = "none"
+    """tinymoe: "none" | "aux" (aux_alpha x DeepSeek-V3's sequence-wise balance loss) | "bias" (its aux-loss-free
+    bias, moved by bias_gamma after each step from loads summed over all ranks) | "bias_per_rank" (the bug: each
+    rank's own loads). training/routing.py says what each trains."""
+    aux_alpha: float = 0.01
+    """tinymoe, balancing "aux": the balance loss's coefficient (DeepSeek-V3: 0.0001)."""
+    bias_gamma: float = 0.01
+    """tinymoe, balancing "bias"/"bias_per_rank": the bias update speed (DeepSeek-V3: 0.001)."""
+    capacity_factor: float | None = None
+    """tinymoe: None drops nothing (DeepSeek-V3). A number caps each expert at capacity_factor * tokens * top_k /
+    experts assignments per micro-batch and rank; the rest are dropped in token order (GShard, Switch)."""
+    expert_parallel: int = 1
+    """tinymoe: ranks each layer's experts are split over, carved out of the data-parallel ranks: must divide
+    world_size and experts (training/parallel/moe_layout.py)."""
+    broadcast_buffers: bool = True
+    """DDP's broadcast_buffers: copy rank 0's buffers (tinymoe: each router's e_score_correction_bias) to every rank
+    at every forward."""
     eval_every: int = 0
     """Evaluate every this many steps (0: never): digits' held-out accuracy; with schedule="plateau", the held-out
     loss that drives it (any task)."""
     nan_policy: str = "raise"
-    """What a non-finite loss (or gradient) does (training/stability.py):
+    """What a non-finite loss (or gradient) does (training/nonfinite.py):
     "raise": the rank that sees it raises NonFiniteLoss; the launcher then stops the others (no collective);
     "alone": that rank leaves its loop quietly, as a hand-written `if isnan(loss): break` does; its peers wait in
         their next collective until the watchdog (launch's timeout) reports a hang;
@@ -169,6 +213,24 @@ class RunConfig:
     """Save each rank's final parameters to runs/<id>/final/rank<r>.pt."""
     name: str = ""
     """A label for plots and the run directory; empty: derived from the config."""
+    fp8_scaling: str = "tile"
+    """precision "fp8": "tensor" (one scale per tensor) or "tile" (DeepSeek-V3's: 1 x fp8_tile tiles of activations
+    and gradients along the summed dimension, fp8_tile x fp8_tile blocks of weights) (training/fp8_linear.py)."""
+    fp8_tile: int = 0
+    """precision "fp8", fp8_dispatch: the tile size t; 0: the model's width / 4, at least 8 (tinylm 16, tinymoe 8).
+    V3's t = 128 is 1/56 of its 7168-wide rows; here a 1 x 128 tile would be a whole row and a 128 x 128 block a
+    whole matrix, and "tile" would be per-tensor scaling in disguise."""
+    fp8_grad_format: str = "e4m3"
+    """precision "fp8": the gradients' format in backward: "e4m3" (V3) or "e5m2" (the older hybrid recipe)."""
+    fp8_dispatch: bool = False
+    """tinymoe, expert_parallel > 1: the dispatch all_to_all carries E4M3 values and 1 x fp8_tile scales, as V3's
+    (training/fp8_wire.py); the combine and the gradients stay in the model's precision."""
+    pipeline_zero1: bool = False
+    """"pp": shard the optimizer state over each stage's data-parallel ranks (ZeRO-1, ZeroRedundancyOptimizer); with
+    tinymoe and expert_parallel, DeepSeek-V3's PP x EP x ZeRO-1 (training/parallel/v3_layout.py)."""
+    sequence_parallel: bool = False
+    """"tp" / "fsdp+tp": also split the LayerNorms and the residual stream along the sequence (Korthikanti et al.
+    2022): all-gathers and reduce-scatters in place of the all-reduces (training/parallel/tensor_parallel.py)."""
 
     def __post_init__(self) -> None:
         # JSON and notebooks hand us lists of dicts; keep the dataclass hashable and typed. What cannot be turned
@@ -195,9 +257,23 @@ class RunConfig:
         return self.world_size // tp, tp
 
     @property
+    def pipeline_dims(self) -> tuple[int, int]:
+        """"pp": (data-parallel replicas, ranks per pipeline); their product is world_size:  (2, 2) on 4 ranks with
+        pipeline_ranks=2. Other strategies: (world_size, 1)."""
+        if self.strategy != "pp":
+            return self.world_size, 1
+        p = self.pipeline_ranks or self.world_size
+        return self.world_size // p, p
+
+    @property
+    def blocks(self) -> int:
+        """The model's transformer blocks (tinymoe: decoder layers): RunConfig.layers, or the model_size's own."""
+        return self.layers or LAYERS.get(self.task, LAYERS["tinylm"])[self.model_size]
+
+    @property
     def loss_floor(self) -> float | None:
-        """The lowest loss any model can reach on this task, when it is known: ln(branching) for tinylm."""
-        return math.log(self.branching) if self.task == "tinylm" else None
+        """The lowest loss any model can reach on this task, when it is known: ln(branching) for tinylm, tinymoe."""
+        return math.log(self.branching) if self.task in ("tinylm", "tinymoe") else None
 
     @property
     def label(self) -> str:
@@ -228,58 +304,29 @@ class RunConfig:
         if self.branching > self.vocab_size:
             out.append(f"RunConfig.branching = {self.branching}: must be at most RunConfig.vocab_size = "
                        f"{self.vocab_size}")
-        out += self._batch_problems() + self._schedule_problems() + self._strategy_problems()
+        c = constraints
+        out += c.batch_problems(self) + c.schedule_problems(self) + c.strategy_problems(self) + c.expert_problems(self)
+        out += c.fp8_problems(self)
+        if self.strategy == "pp":
+            out += c.pipeline_problems(self)
         for i, fault in enumerate(self.faults):
             out += [f"RunConfig.faults[{i}]: {why} (RunConfig.world_size = {self.world_size}, RunConfig.steps = "
                     f"{self.steps})" for why in fault.problems(self.world_size, self.steps)]
         return out
 
-    def _batch_problems(self) -> list[str]:
-        split = self.world_size * self.grad_accum
-        if self.global_batch % split:
-            lower = max(split, self.global_batch // split * split)
-            return [f"RunConfig.global_batch = {self.global_batch}: does not split evenly over RunConfig.world_size="
-                    f"{self.world_size} x RunConfig.grad_accum={self.grad_accum} = {split}; use a multiple of "
-                    f"{split}, e.g. {lower} or {lower + split}"]
-        return []
+    def __repr__(self) -> str:
+        """RunConfig(world_size=2, steps=30): only the fields that differ from the defaults (eval gives it back)."""
+        from .display import config_repr
+        return config_repr(self)
 
-    def _schedule_problems(self) -> list[str]:
-        where = f"RunConfig.schedule = {self.schedule!r}"
-        if self.schedule == "plateau" and not self.eval_every:
-            return [f"{where} needs a held-out loss: set RunConfig.eval_every to how often to measure it, e.g. 5"]
-        if self.schedule == "plateau" and self.plateau_factor >= 1.0:
-            return [f"{where}: RunConfig.plateau_factor = {self.plateau_factor!r} must be below 1 (each cut "
-                    "multiplies the LR by it; torch's ReduceLROnPlateau refuses 1)"]
-        if self.schedule == "cosine_restarts" and self.min_lr_ratio:
-            return [f"{where}: transformers' restarts decay to 0; RunConfig.min_lr_ratio = {self.min_lr_ratio!r} "
-                    "must be 0 (or use 'cosine', which has a floor)"]
-        if self.schedule == "polynomial" and self.min_lr_ratio >= 1.0:
-            return [f"{where}: decays from lr to min_lr_ratio * lr, so RunConfig.min_lr_ratio = "
-                    f"{self.min_lr_ratio!r} must be below 1"]
-        return []
+    def _repr_html_(self) -> str:
+        from .display import config_html
+        return config_html(self)
 
-    def _strategy_problems(self) -> list[str]:
-        """What the chosen strategy cannot do with the other fields (mesh shape, task, precision, comm hook)."""
-        if self.strategy == "ddp":
-            return []
-        out, field = [], f"RunConfig.strategy = {self.strategy!r}"
-        tp = self.parallel_dims[1]
-        if self.strategy == "fsdp+tp" and (self.world_size < 4 or self.world_size % 2):
-            out.append(f"{field}: its mesh is (world_size/2 data-parallel x 2 tensor-parallel) ranks, so "
-                       f"RunConfig.world_size = {self.world_size} must be even and at least 4; use 4")
-        if self.strategy == "tp" and tp not in TP_DEGREES:
-            out.append(f"{field}: splits each block over all RunConfig.world_size = {self.world_size} ranks, which "
-                       f"must divide the attention heads: use world_size {' or '.join(map(str, TP_DEGREES))}")
-        if self.strategy in TP_STRATEGIES and self.task != "tinylm":
-            out.append(f"{field}: tensor parallelism splits GPT-2 blocks, so RunConfig.task must be 'tinylm' "
-                       f"(not {self.task!r}); use strategy 'fsdp' or 'zero1' for other models")
-        if self.precision == "fp16":
-            out.append(f"{field}: RunConfig.precision = 'fp16' (a GradScaler over sharded gradients) is not "
-                       "supported here; use 'bf16' or 'fp32', or strategy 'ddp'")
-        if self.strategy != "zero1" and self.comm_hook != "allreduce":
-            out.append(f"{field}: RunConfig.comm_hook = {self.comm_hook!r} is a DDP comm hook; only 'ddp' and "
-                       "'zero1' use DDP: leave comm_hook at 'allreduce'")
-        return out
+    def table(self) -> Any:
+        """Every field: its value, its default, whether it changed (changed fields first), as a DataFrame."""
+        from .display import config_table
+        return config_table(self)
 
     def validate(self) -> "RunConfig":
         """Raise ConfigError listing every bad field; return self when all are valid."""
@@ -307,26 +354,20 @@ class RunConfig:
 
     @classmethod
     def load(cls, path: Path) -> "RunConfig":
-        """Read a config file a person wrote (RunConfig.save writes one); records.Run.config reads recorded ones."""
-        return cls.from_dict(json.loads(Path(path).read_text()))
-
-
-RULES: dict[str, Rule] = {
-    "task": one_of(*TASKS), "model_size": one_of(*MODEL_SIZES), "world_size": integer(1),
-    "global_batch": integer(1), "grad_accum": integer(1), "no_sync": boolean, "steps": integer(1),
-    "optimizer": one_of(*OPTIMIZERS), "lr": number(0.0, inclusive=False), "weight_decay": number(0.0),
-    "momentum": number(0.0), "schedule": one_of(*SCHEDULES), "warmup_steps": integer(0),
-    "min_lr_ratio": number(0.0, high=1.0), "cycles": integer(1), "poly_power": number(0.0, inclusive=False),
-    "plateau_patience": integer(0), "plateau_factor": number(0.0, inclusive=False, high=1.0),
-    "plateau_per_rank": boolean,
-    "clip_norm": optional(number(0.0, inclusive=False), "no clipping"),
-    "precision": one_of(*PRECISIONS), "seed": integer(0), "deterministic": boolean, "backend": one_of(*BACKENDS),
-    "strategy": one_of(*STRATEGIES), "bucket_cap_mb": number(0.0, inclusive=False), "comm_hook": one_of(*COMM_HOOKS),
-    "powersgd_rank": integer(1), "memory_budget_mb": optional(number(0.0, inclusive=False), "no budget"),
-    "data_workers": integer(0), "sample_cost_ms": number(0.0), "pin_memory": boolean, "persistent_workers": boolean,
-    "prefetch_factor": integer(1), "seq_len": integer(2), "vocab_size": integer(2), "branching": integer(1),
-    "eval_every": integer(0), "nan_policy": one_of(*NAN_POLICIES), "tensorboard": boolean, "save_final": boolean, "name": text,
-    "checkpoint_every": integer(0), "checkpoint_keep": integer(1), "checkpoint_format": one_of(*CHECKPOINT_FORMATS),
-    "dropout": number(0.0, high=0.9),
-}
-"""The rule each field's value must pass (labkit.rules); faults are checked by their own shape and ranges."""
+        """Read a config file a person wrote (RunConfig.save writes one); records.Run.config reads recorded ones.
+        Every problem (no such file, not JSON, a bad field) is a ConfigError that names the file."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such file (RunConfig(...).save({str(path)!r}) writes one)") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+        try:
+            return cls.from_dict(data)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None

@@ -3,7 +3,7 @@
     RunConfig(world_size=2, steps=10, faults=(Fault(kind="segfault", rank=1, step=3),))
     RunConfig.from_dict({"faults": [{"kind": "slow", "rank": 0, "step": 0, "delay_s": 0.02}]})
 
-What each kind does inside the rank is in labkit/training/faults.py; here is what a fault is, and what makes one
+What each kind does inside the rank is in labkit/training/inject.py; here is what a fault is, and what makes one
 valid (its ranges against world_size and steps are checked by the RunConfig it belongs to).
 """
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Any
 
 from .rules import is_int, number, shown
 
-FAULT_KINDS = ("raise", "segfault", "hang", "nan", "exit", "bad_batch", "slow", "kill_in_save")
+FAULT_KINDS = ("raise", "segfault", "hang", "nan", "exit", "bad_batch", "slow", "kill_in_save", "clock")
+DELAYED = ("slow", "clock")  # the kinds that take delay_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,10 +23,11 @@ class Fault:
 
     kinds: "raise" (a Python exception), "segfault" (SIGSEGV), "hang" (sleep forever), "nan" (a NaN loss),
     "exit" (os._exit(3), a rank that vanishes without a traceback), "bad_batch" (that rank's batch of that step
-    is corrupted: labels shuffled, float inputs scaled up; see training/faults.py), "slow" (a straggler: the rank
+    is corrupted: labels shuffled, float inputs scaled up; see training/inject.py), "slow" (a straggler: the rank
     sleeps delay_s at the start of every step from `step` on:  Fault(kind="slow", rank=1, step=0, delay_s=0.02)),
     "kill_in_save" (SIGKILL half-way through writing that rank's part of the checkpoint saved after that step:
-    training/checkpoint.py).
+    training/state/checkpoint.py), "clock" (that rank's wall clock reads delay_s seconds ahead from `step` on: the
+    time in its records, and so in its TensorBoard events, as on a node whose clock is off).
     """
 
     kind: str
@@ -35,7 +37,8 @@ class Fault:
     step: int
     """The step (0-based) at whose start it happens ("slow": from which on)."""
     delay_s: float = 0.0
-    """"slow" only: seconds the rank loses at the start of each step (a slower GPU, a noisy neighbour)."""
+    """"slow": seconds the rank loses at the start of each step (a slower GPU, a noisy neighbour); "clock": seconds
+    its clock is ahead."""
 
     def problems(self, world_size: int | None = None, steps: int | None = None) -> list[str]:
         """What is wrong with this fault, as sentences (ranges are checked when world_size and steps are given)."""
@@ -61,8 +64,11 @@ def _delay_problems(kind: Any, delay: Any) -> list[str]:
         return [f"Fault.delay_s = {shown(delay)}: {why}"]
     if kind == "slow" and delay == 0:
         return ["Fault.delay_s = 0: a \"slow\" fault needs the seconds to lose per step, e.g. delay_s=0.02"]
-    if kind != "slow" and delay != 0:
-        return [f"Fault.delay_s = {delay!r}: only a \"slow\" fault has a delay (kind = {shown(kind)}); leave it 0"]
+    if kind == "clock" and delay == 0:
+        return ["Fault.delay_s = 0: a \"clock\" fault needs the seconds the clock is ahead, e.g. delay_s=2.5"]
+    if kind not in DELAYED and delay != 0:
+        return [f"Fault.delay_s = {delay!r}: only a \"slow\" or \"clock\" fault has a delay (kind = {shown(kind)}); "
+                "leave it 0"]
     return []
 
 

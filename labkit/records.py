@@ -1,18 +1,9 @@
 """Per-rank structured records, and reading a run back into pandas.
 
-On disk, one directory per run (the same layout under labkit's launcher and under torchrun):
-
-    runs/<run-id>/config.json          the RunConfig (absent for a plain function launch)
-    runs/<run-id>/meta.json            launch time, world size, start method, ...
-    runs/<run-id>/rank<r>.jsonl        one JSON object per recorded step, flushed line by line
-    runs/<run-id>/rank<r>.log          the rank's stdout and stderr (and faulthandler dumps); a rank that raises
-                                       writes FAILURE_MARKER, then its traceback
-    runs/<run-id>/rank<r>.error.json   written when the rank raised: step, exception, traceback
-    runs/<run-id>/failure.txt          the launcher's failure report (meta.json's outcome says how the run ended)
-    runs/<run-id>/tb/rank<r>/          TensorBoard events, written from the records when the run ends
-    runs/<run-id>/final/rank<r>.pt     final parameters (RunConfig.save_final)
-    runs/<run-id>/checkpoints/         checkpoints (RunConfig.checkpoint_every; training/checkpoint.py)
-    runs/<run-id>/attempts/<a>/        a restarted run's earlier attempts: their logs, error files, failure report
+On disk, one directory per run, the same under labkit's launcher and under torchrun (rundir.py names every file):
+config.json, meta.json, rank<r>.jsonl (one JSON object per recorded step, flushed line by line), rank<r>.log (a rank
+that raises writes FAILURE_MARKER there, then its traceback), rank<r>.error.json, failure.txt, tb/, final/,
+checkpoints/, attempts/.
 
 A run that restarted (launch(..., max_restarts=N), torchrun --max-restarts) appends every attempt's records to
 the same files, each record saying which `attempt` wrote it; a restarted attempt records again the steps after the
@@ -37,6 +28,9 @@ from typing import Any
 
 import pandas as pd
 
+from .display import Summary
+from .rundir import RunDir, rank_of
+
 FAILURE_MARKER = "labkit: this rank failed"  # heads the traceback in a rank's log (the live echo stops there)
 ATTEMPT_ENV = "LABKIT_ATTEMPT"  # set by labkit's launcher for runs that may restart; torchrun sets its own
 
@@ -44,7 +38,6 @@ ATTEMPT_ENV = "LABKIT_ATTEMPT"  # set by labkit's launcher for runs that may res
 def current_attempt() -> int | None:
     """Which attempt of a restartable run this process is (0 first): LABKIT_ATTEMPT, set by launch(...,
     max_restarts=N), or torchrun's TORCHELASTIC_RESTART_COUNT; None when neither is set."""
-    import os
     value = os.environ.get(ATTEMPT_ENV, os.environ.get("TORCHELASTIC_RESTART_COUNT"))
     return int(value) if value not in (None, "") else None
 
@@ -63,7 +56,7 @@ class RankRecorder:
     def __init__(self, run_dir: Path, rank: int):
         self.rank = rank
         self.attempt = current_attempt()
-        path = Path(run_dir) / f"rank{rank}.jsonl"
+        path = RunDir(run_dir).records(rank)
         # Line-buffered: each record reaches the file when written, so a crashed rank loses nothing.
         self._file = open(path, "a", buffering=1)
         if path.stat().st_size and _last_byte(path) != b"\n":
@@ -83,13 +76,12 @@ def write_tensorboard(run_dir: Path, ranks: list[int] | None = None) -> None:
     Every numeric field becomes a scalar at its step; rewriting replaces the events written before."""
     import shutil
     from torch.utils.tensorboard import SummaryWriter
-    run_dir = Path(run_dir)
-    files = sorted(run_dir.glob("rank*.jsonl"))
-    for path in files:
-        rank = int(path.stem[4:])
+    run_dir = RunDir(run_dir)
+    for path in run_dir.record_files():
+        rank = rank_of(path)
         if ranks is not None and rank not in ranks:
             continue
-        out = run_dir / "tb" / f"rank{rank}"
+        out = run_dir.tensorboard(rank)
         shutil.rmtree(out, ignore_errors=True)
         with SummaryWriter(log_dir=str(out)) as writer:
             for record in current_records(read_jsonl(path)):
@@ -127,7 +119,8 @@ class Run:
     """A finished (or still running) run, read from its directory:  Run("runs/<run-id>")."""
 
     def __init__(self, path: str | Path):
-        self.path = Path(path)
+        self.dir = RunDir(path)
+        self.path = self.dir.path
         if not self.path.is_dir():
             raise FileNotFoundError(f"no run directory at {self.path}")
         self.meta: dict[str, Any] = read_meta(self.path)
@@ -139,8 +132,8 @@ class Run:
     @property
     def config(self):
         from .config import RunConfig
-        path = self.path / "config.json"
-        return RunConfig.from_dict(upgraded(json.loads(path.read_text()), path)) if path.exists() else None
+        path = self.dir.config
+        return RunConfig.from_dict(upgraded(_read_json(path), path)) if path.exists() else None
 
     @property
     def name(self) -> str:
@@ -148,7 +141,7 @@ class Run:
 
     @property
     def world_size(self) -> int:
-        return int(self.meta.get("world_size") or len(list(self.path.glob("rank*.jsonl"))))
+        return int(self.meta.get("world_size") or len(self.dir.record_files()))
 
     @property
     def df(self) -> pd.DataFrame:
@@ -160,7 +153,7 @@ class Run:
     def read_records(self, superseded: bool = False) -> pd.DataFrame:
         """Read the records now (also while the run is going; `df` caches this). A restarted run's records that a
         later attempt recorded again are left out unless `superseded` (see the module docstring)."""
-        rows = [r for f in sorted(self.path.glob("rank*.jsonl")) for r in read_jsonl(f)]
+        rows = [r for f in self.dir.record_files() for r in read_jsonl(f)]
         rows = rows if superseded else current_records(rows)
         if not rows:
             return pd.DataFrame(columns=["rank", "step"])
@@ -178,14 +171,14 @@ class Run:
     for, since a synchronous step ends when its slowest rank does:  run.slowest("t_step", "t_data", after=2)."""
         return slowest_per_step(self.df, columns or ("t_step",), after=after)
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> Summary:
         """Headline figures: global throughput over the whole run and its per-step median (steps after the first),
     final loss, time to first step."""
         steps = self.steps()
         launched = self.meta.get("launched_at")
         first = self.df["time"].min() if "time" in self.df and len(self.df) else math.nan
         later = steps[steps["step"] > steps["step"].min()] if len(steps) > 1 else steps
-        return {
+        return Summary({
             "steps": int(len(steps)),
             "samples_per_s": whole_run_throughput(self.df),
             "median_samples_per_s": (float(later["samples_per_s"].median()) if "samples_per_s" in later and len(later)
@@ -193,7 +186,7 @@ class Run:
             "median_tokens_per_s": float(later["tokens_per_s"].median()) if "tokens_per_s" in later else math.nan,
             "final_loss": float(steps["loss"].iloc[-1]) if len(steps) else math.nan,
             "time_to_first_step_s": float(first - launched) if launched else math.nan,
-        }
+        })
 
     def lr_disagreement(self) -> int | None:
         """The first step at which the ranks' recorded LRs differ, or None when they agree at every step: a
@@ -224,12 +217,12 @@ class Run:
     def final_state(self, rank: int = 0) -> dict[str, Any]:
         """The parameters rank `rank` ended with (RunConfig.save_final)."""
         import torch
-        return torch.load(self.path / "final" / f"rank{rank}.pt", weights_only=True)
+        return torch.load(self.dir.final_params(rank), weights_only=True)
 
     def result(self, rank: int = 0) -> Any:
         """What the launched function returned on `rank` (None if it returned nothing)."""
         import torch
-        path = self.path / f"result{rank}.pt"
+        path = self.dir.result(rank)
         return torch.load(path, weights_only=False) if path.exists() else None
 
     @property
@@ -240,12 +233,12 @@ class Run:
     def failure(self) -> str | None:
         """The failure report the launcher raised (failure.txt), or what the ranks' error files say (a torchrun
         run has no launcher of ours), or None."""
-        report = self.path / "failure.txt"
+        report = self.dir.failure_report
         if report.exists():
             return report.read_text()
         if self.finished:
             return None  # error files of an earlier attempt that a restart recovered from
-        errors = [_read_json(p) for p in sorted(self.path.glob("rank*.error.json"))]
+        errors = [_read_json(p) for p in self.dir.error_files()]
         if not errors:
             return None
         first = min(errors, key=lambda e: e.get("time", 0))
@@ -254,7 +247,7 @@ class Run:
 
     def log(self, rank: int = 0) -> str:
         """Everything rank `rank` printed."""
-        path = self.path / f"rank{rank}.log"
+        path = self.dir.log(rank)
         return path.read_text(errors="replace") if path.exists() else ""
 
 
@@ -308,15 +301,16 @@ def write_meta(run_dir: Path, **meta: Any) -> None:
     """Write meta.json whole or not at all (a temporary file renamed over it): a panel or a table reading it while
     the launcher writes never sees half a file."""
     meta.setdefault("launched_at", time.time())
-    path = Path(run_dir) / "meta.json"
-    partial = path.with_name(f".meta.json.{os.getpid()}.tmp")
+    path = RunDir(run_dir).meta
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     partial.write_text(json.dumps(meta, indent=2, default=str))
     os.replace(partial, path)
 
 
 def read_meta(run_dir: str | Path) -> dict[str, Any]:
-    """A run directory's meta.json:  read_meta(path).get("outcome")  ({} before the launcher has written it)."""
-    return _read_json(Path(run_dir) / "meta.json")
+    """A run directory's meta.json:  read_meta(path).get("outcome")  ({} before the launcher has written it).
+    A meta.json that is not valid JSON (a full disk, a hand edit) raises BadRunFile naming it."""
+    return _read_json(RunDir(run_dir).meta)
 
 
 def write_outcome(run_dir: Path, failure: str | None, *, stopped: bool = False) -> None:
@@ -326,7 +320,7 @@ def write_outcome(run_dir: Path, failure: str | None, *, stopped: bool = False) 
     meta.update(outcome="failed" if failure else "stopped" if stopped else "finished", ended_at=time.time())
     write_meta(run_dir, **meta)
     if failure:
-        (Path(run_dir) / "failure.txt").write_text(failure)
+        RunDir(run_dir).failure_report.write_text(failure)
 
 
 def _last_byte(path: Path) -> bytes:
@@ -335,8 +329,21 @@ def _last_byte(path: Path) -> bytes:
         return f.read(1)
 
 
+class BadRunFile(ValueError):
+    """A file of a run directory that labkit wrote whole is not what it wrote (not JSON, not an object)."""
+
+
 def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.exists() else {}
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRunFile(f"{path}: not valid JSON ({exc}); the file is damaged (a full disk, a hand edit?): "
+                         "restore it or delete it") from None
+    if not isinstance(data, dict):
+        raise BadRunFile(f"{path}: holds {type(data).__name__}, not a JSON object: restore it or delete it")
+    return data
 
 
 # Fields that older labkits wrote under another name: old name -> (new name, how an old value maps to a new one).

@@ -16,6 +16,30 @@ from typing import Any, Callable
 
 Rule = Callable[[Any], "str | None"]
 
+# The choices RunConfig's fields offer (config.py re-exports them).
+TASKS = ("tinylm", "digits", "tinymoe")
+MODEL_SIZES = ("tiny", "small", "base")
+LAYERS = {"tinylm": {"tiny": 2, "small": 4, "base": 6}, "tinymoe": {"tiny": 2, "small": 2, "base": 4}}
+"""Transformer blocks (decoder layers) of each task's model sizes, when RunConfig.layers is 0 (RunConfig.blocks)."""
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("constant", "linear", "cosine", "cosine_restarts", "polynomial", "plateau")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # fp8: simulated, training/fp8*.py
+BACKENDS = ("auto", "gloo", "nccl", "mpi")
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "tp", "fsdp+tp", "pp")  # labkit/training/parallel/strategies.py says what each is
+TP_STRATEGIES = ("tp", "fsdp+tp")
+TP_DEGREES = (1, 2, 4)  # divide the attention heads of every tinylm size (4, 4, 8)
+COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd")
+NAN_POLICIES = ("raise", "alone", "stop", "skip", "ignore")
+CHECKPOINT_FORMATS = ("auto", "full", "dcp")
+BALANCING = ("none", "aux", "bias", "bias_per_rank")  # tinymoe: how expert load is balanced (training/routing.py)
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                      "DualPipeV")  # torch.distributed.pipelining's names (training/parallel/pipeline.py)
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+PIPELINE_SHAPES = ("inferred", "fixed", "fixed_no_grad")
+FP8_SCALINGS = ("tensor", "tile")  # one scale per tensor, or DeepSeek-V3's tiles and blocks (training/fp8_linear.py)
+FP8_FORMATS = ("e4m3", "e5m2")
+
 
 def is_int(value: Any) -> bool:
     """An integer that is not a bool (True is an int in Python, never a count of anything here)."""
@@ -73,3 +97,33 @@ def shown(value: Any, limit: int = 80) -> str:
     """repr(value), cut short: an error message names the value without flooding the screen."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+RULES: dict[str, Rule] = {
+    "task": one_of(*TASKS), "model_size": one_of(*MODEL_SIZES), "world_size": integer(1),
+    "global_batch": integer(1), "grad_accum": integer(1), "no_sync": boolean, "steps": integer(1),
+    "optimizer": one_of(*OPTIMIZERS), "lr": number(0.0, inclusive=False), "weight_decay": number(0.0),
+    "momentum": number(0.0), "schedule": one_of(*SCHEDULES), "warmup_steps": integer(0),
+    "min_lr_ratio": number(0.0, high=1.0), "cycles": integer(1), "poly_power": number(0.0, inclusive=False),
+    "plateau_patience": integer(0), "plateau_factor": number(0.0, inclusive=False, high=1.0),
+    "plateau_per_rank": boolean,
+    "clip_norm": optional(number(0.0, inclusive=False), "no clipping"),
+    "precision": one_of(*PRECISIONS), "seed": integer(0), "deterministic": boolean, "backend": one_of(*BACKENDS),
+    "strategy": one_of(*STRATEGIES), "bucket_cap_mb": number(0.0, inclusive=False), "comm_hook": one_of(*COMM_HOOKS),
+    "powersgd_rank": integer(1), "memory_budget_mb": optional(number(0.0, inclusive=False), "no budget"),
+    "data_workers": integer(0), "sample_cost_ms": number(0.0), "pin_memory": boolean, "persistent_workers": boolean,
+    "prefetch_factor": integer(1), "seq_len": integer(2), "vocab_size": integer(2), "branching": integer(1),
+    "eval_every": integer(0), "nan_policy": one_of(*NAN_POLICIES), "tensorboard": boolean, "save_final": boolean, "name": text,
+    "checkpoint_every": integer(0), "checkpoint_keep": integer(1), "checkpoint_format": one_of(*CHECKPOINT_FORMATS),
+    "dropout": number(0.0, high=0.9), "languages": integer(1), "language_skew": number(0.0), "experts": integer(2),
+    "top_k": integer(1), "expert_groups": integer(1), "group_top_k": integer(1), "balancing": one_of(*BALANCING),
+    "aux_alpha": number(0.0, inclusive=False), "bias_gamma": number(0.0, inclusive=False),
+    "capacity_factor": optional(number(0.0, inclusive=False), "no dropping"), "expert_parallel": integer(1),
+    "broadcast_buffers": boolean,
+    "layers": integer(0), "pipeline_ranks": integer(0), "microbatches": integer(1),
+    "pipeline_schedule": one_of(*PIPELINE_SCHEDULES), "stages_per_rank": integer(1),
+    "pipeline_shapes": one_of(*PIPELINE_SHAPES), "pipeline_check": boolean,
+    "fp8_scaling": one_of(*FP8_SCALINGS), "fp8_tile": integer(0), "fp8_grad_format": one_of(*FP8_FORMATS),
+    "fp8_dispatch": boolean, "pipeline_zero1": boolean, "sequence_parallel": boolean,
+}
+"""The rule each RunConfig field's value must pass; faults are checked by their own shape and ranges (fault.py)."""

@@ -1,5 +1,5 @@
 """Shared fixtures: a scratch runs folder per test, a check that no process outlives a launch, and the count of
-gated speed claims at the end of the summary."""
+gated claims at the end of the summary."""
 from __future__ import annotations
 
 import os
@@ -42,7 +42,7 @@ _session_started = time.time()
 
 @pytest.hookimpl(trylast=True)   # after the durations table: the last section before the final counts
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """At the end of the summary: 'gated speed claims: N checked, M skipped' from the LABKIT_CLAIMS_LOG file
+    """At the end of the summary: 'gated claims: N checked, M skipped' (py-spy-style not_checked claims among the skipped) from the LABKIT_CLAIMS_LOG file
     (`make test` sets it), and each skipped claim by name, so that a skipped claim is seen, not buried."""
     from labkit.measure.claims import LOG_ENV, read_log, summary_lines
     path = os.environ.get(LOG_ENV)
@@ -51,6 +51,25 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     outcomes = read_log(path, since=_session_started)
     lines = summary_lines(outcomes)
     skipped = any(o.status != "checked" for o in outcomes)
-    terminalreporter.section("gated speed claims", yellow=skipped, bold=skipped)
+    terminalreporter.section("gated claims", yellow=skipped, bold=skipped)
     for line in lines:
         terminalreporter.write_line(line, yellow=skipped, bold=line is lines[0])
+
+
+# --- every lesson under 90 s in quick mode (the developers' guide): a lesson that passes but takes longer fails ----
+
+LESSON_LIMIT_S = 90.0
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A notebook run by nbmake in quick mode that took more than LESSON_LIMIT_S is reported as failed, with its
+    time: a learner waits seconds, not minutes, and CI's whole run has a budget."""
+    outcome = yield
+    report = outcome.get_result()
+    quick = os.environ.get("LABKIT_QUICK", "") not in ("", "0", "false", "False")
+    if (quick and report.when == "call" and report.passed and str(item.fspath).endswith(".ipynb")
+            and report.duration > LESSON_LIMIT_S):
+        report.outcome = "failed"
+        report.longrepr = (f"{item.name} passed but took {report.duration:.0f} s in quick mode; a lesson must take "
+                           f"under {LESSON_LIMIT_S:.0f} s (make it smaller in quick mode: labkit.pick)")

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PATH_SENSITIVE = ["tests/test_launch.py", "tests/test_failures.py"]
+# The tests of code that tells frames apart by where their files are: the CUDA culprit finder (run/cuda_guard.py:
+# labkit's and torch's frames are not the culprit), the hang diagnosis (frames inside torch vs the rank's own code)
+# and the failure echo. Only these: the copy runs them again, which costs time (all of test_launch and
+# test_failures took 44 s here).
+PATH_SENSITIVE = ["tests/test_launch.py::test_the_cuda_tracker_names_the_call_that_initialised_cuda",
+                  "tests/test_launch.py::test_fork_is_refused_and_auto_uses_the_warm_process_when_cuda_is_initialised",
+                  "tests/test_launch.py::test_a_hung_rank_is_told_apart_from_the_rank_waiting_for_it",
+                  "tests/test_failures.py::test_the_cause_is_echoed_in_full_and_each_consequence_in_one_line"]
 
 
 @pytest.mark.timeout(300)

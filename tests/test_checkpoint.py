@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from labkit.training import checkpoint
-from labkit.training.checkpoint import CheckpointError, Saver, find, load_file, read_manifest, write_file
-from labkit.training.resume import rng_state, set_rng_state
+from labkit.training.state import checkpoint
+from labkit.training.state.checkpoint import CheckpointError, Saver, find, load_file, read_manifest, write_file
+from labkit.training.state.resume import rng_state, set_rng_state
 
 PHASES = ("partial_made", "files_written", "manifest_written", "renamed", "latest_written", "pruned")
 
@@ -121,7 +121,7 @@ def test_a_checkpoint_holding_a_pickled_object_is_refused_without_running_it(tmp
 
 
 def test_dcp_metadata_naming_anything_but_dcp_classes_is_refused(tmp_path):
-    from labkit.training.sharded import SafeReader
+    from labkit.training.state.sharded import SafeReader
     marker = tmp_path / "ran"
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
     with pytest.raises(CheckpointError, match="pathlib.Path.touch|not part of DCP's metadata"):

@@ -26,7 +26,7 @@ def test_per_rank_builds_the_global_batch():
     ({"task": "imagenet"}, "task"),
     ({"optimizer": "lamb"}, "optimizer"),
     ({"schedule": "step"}, "schedule"),
-    ({"precision": "fp8"}, "precision"),
+    ({"precision": "fp4"}, "precision"),
     ({"backend": "ucc"}, "backend"),
     ({"clip_norm": 0.0}, "clip_norm"),
     ({"clip_norm": math.inf}, "clip_norm"),

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 import labkit
-from labkit.tricks import exercises as ex
-from labkit.tricks.exercises.checknet import build_checknet, check_batch, check_loss
+from labkit import exercises as ex
+from labkit.exercises.checknet import build_checknet, check_batch, check_loss
 
 
 @pytest.mark.parametrize("wrapper, options", [(ex.NaiveDDP, {}), (ex.OverlapDDP, {"overlap": True}),

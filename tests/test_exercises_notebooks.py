@@ -7,7 +7,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from labkit.tricks.exercises import blank_copy
+from labkit.exercises import blank_copy
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 

@@ -10,9 +10,10 @@ import torch.distributed as dist
 from matplotlib.figure import Figure
 
 import labkit
-from labkit.tricks import exercises as ex
-from labkit.tricks.exercises import blanks, figures, timing
-from labkit.tricks.exercises.probe import CommProbe
+from labkit import exercises as ex
+from labkit.exercises import blanks, charts, speeds
+from labkit.exercises.probe import CommProbe
+from labkit.training.tasks import make_task
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 LESSONS = ["16_build_ddp_yourself.ipynb", "17_build_zero_yourself.ipynb"]
@@ -129,16 +130,49 @@ def test_state_holdings_counts_adam_state_but_not_parameters_or_gradients():
 
 
 def test_time_wrappers_records_each_wrapper_and_the_figures_draw(runs_root, no_leftovers):
-    run = timing.time_wrappers({"naive": ex.NaiveDDP, "torch": timing.TorchDDP}, steps=3, model_size="tiny",
+    run = speeds.time_wrappers({"naive": ex.NaiveDDP, "torch": speeds.TorchDDP}, steps=3, model_size="tiny",
                                runs_root=runs_root)
-    table = timing.timing_table(run, warm=1)
+    table = speeds.timing_table(run, warm=1)
     assert list(table.index) == ["naive", "torch"]
     assert table.loc["naive", "allreduces"] == 28 and table.loc["naive", "overlap_fraction"] == 0
-    assert table.loc["torch", "overlap_fraction"] == 1 and timing.loss_gap(run, "torch") < 1e-6
-    assert isinstance(figures.timeline(run), Figure)
+    assert table.loc["torch", "overlap_fraction"] == 1 and speeds.loss_gap(run, "torch") < 1e-6
+    assert isinstance(charts.timeline(run), Figure)
     sweep = pd.DataFrame({"implementation": ["a", "a", "b"], "bucket_mb": [0.1, 1.0, 1.0], "step ms": [3.0, 2.0, 2.5],
                           "allreduces": [10, 2, 2]})
-    assert isinstance(figures.bucket_sweep(sweep, baselines={"naive": (5.0, 28)}), Figure)
+    assert isinstance(charts.bucket_sweep(sweep, baselines={"naive": (5.0, 28)}), Figure)
     rows = pd.DataFrame({"optimizer": ["x", "x", "x"], "world_size": [1, 2, 2], "rank": [0, 0, 1],
                          "state_bytes": [800, 400, 400], "oversubscribed": [False, False, False]})
-    assert isinstance(figures.state_per_rank(rows, {1: 800, 2: 400}), Figure)
+    assert isinstance(charts.state_per_rank(rows, {1: 800, 2: 400}), Figure)
+
+
+def test_packing_problems_pass_tight_buckets_and_name_wasted_or_oversized_messages():
+    assert speeds.packing_problems([900, 800, 950, 300], cap=1000, largest_gradient=500) == []
+    split = speeds.packing_problems([400, 300, 950], cap=1000, largest_gradient=500)   # two that fit in one
+    assert split == ["messages 0 and 1 (400 + 300 B) would have fit in one bucket of 1,000 B"]
+    assert speeds.packing_problems([1200, 900], cap=1000, largest_gradient=500)[0].startswith("message 0 carries")
+    assert speeds.packing_problems([1200, 900], cap=1000, largest_gradient=1200) == []   # one gradient, too big
+
+
+def test_lesson_16s_message_claims_on_counted_messages_and_a_wasteful_wrapper_caught(runs_root, no_leftovers):
+    """Lesson 16's claims 1 and 2, on the messages the probe counted, with the lesson's labkit functions; broken on
+    purpose: one message per gradient, judged as 1 MB buckets, wastes messages and is named."""
+    import functools
+    cap_mb = 0.05
+    run = speeds.time_wrappers({"yours": functools.partial(ex.BucketedDDP, bucket_size_mb=cap_mb),
+                                "torch": functools.partial(speeds.TorchDDP, bucket_size_mb=cap_mb),
+                                "one per gradient": ex.NaiveDDP}, steps=4, runs_root=runs_root)
+    trained = [p for p in make_task(speeds.tinylm_config(2)).build_model().parameters()
+               if p.requires_grad]
+    largest_gradient, model_bytes = max(p.numel() * 4 for p in trained), sum(p.numel() * 4 for p in trained)
+    for step, sent in speeds.messages(run, "yours").items():
+        assert sum(sent) == model_bytes and not speeds.packing_problems(sent, cap_mb * 2**20, largest_gradient)
+    wasted = speeds.messages(run, "one per gradient")[2]
+    assert len(wasted) == len(trained)
+    assert any("would have fit in one bucket" in p for p in speeds.packing_problems(wasted, 2**20, largest_gradient))
+    first = run.df[(run.df.label == "torch") & (run.df.step_of == 0)].allreduces.unique().tolist()
+    assert first == [1]                                              # torch's DDP: one message at step 0
+    torch_sent = speeds.messages(run, "torch")[2]
+    assert cap_mb * 2**20 < max(torch_sent) <= cap_mb * 2**20 + largest_gradient   # a little over the cap
+    assert len(torch_sent) < len(speeds.messages(run, "yours")[2])                # so fewer messages than yours
+    with pytest.raises(KeyError, match="no steps of 'nobody'"):
+        speeds.messages(run, "nobody")

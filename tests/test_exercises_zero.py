@@ -9,10 +9,10 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import labkit
-from labkit.tricks import exercises as ex
-from labkit.tricks import memory
-from labkit.tricks.exercises import zero_runs
-from labkit.tricks.exercises.checknet import build_checknet, check_batch, check_loss
+from labkit import exercises as ex
+from labkit import memory
+from labkit.exercises import zero_runs
+from labkit.exercises.checknet import build_checknet, check_batch, check_loss
 
 
 class TorchZero(ZeroRedundancyOptimizer):
@@ -82,6 +82,18 @@ class SameShardEverywhere(ex.ShardedOptimizer):
         self._local_group[0] = 0
 
 
+class DeafToParamGroups(ex.ShardedOptimizer):
+    """The ✏️ solution's old step(): steps the local optimizer without passing param_groups' settings on."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self.local.step(closure) if self.local is not None else None
+        for param in (p for group in self.param_groups for p in group["params"]):
+            if id(param) in self.owner:
+                dist.broadcast(param, src=self.owner[id(param)])
+        return loss
+
+
 class NotWrittenYet(torch.optim.Optimizer):
     def __init__(self, params, optimizer_cls, **kwargs):
         raise NotImplementedError("NotWrittenYet.__init__ is not written yet")
@@ -92,6 +104,8 @@ BROKEN = [
     (NeverSends, "agreement", "after step 0 rank 1's parameters differ from rank 0's"),
     (DropsKwargs, "matches", "your first step moved them 0.10× as far as that optimizer does"),
     (SameShardEverywhere, "state", "has optimizer state on ranks 0, 1: each parameter's state belongs on one rank"),
+    (DeafToParamGroups, "matches", "the lr set on param_groups before each step (as an LR scheduler does) did not "
+                                   "reach the optimizer that steps"),
 ]
 
 

@@ -79,8 +79,12 @@ LAUNCHER = textwrap.dedent("""
 """)
 
 
-def test_killing_the_launching_process_leaves_no_descendant(tmp_path):
-    parent = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("ranks_from", ["this process", "the warm process"])
+def test_killing_the_launching_process_leaves_no_descendant(tmp_path, ranks_from):
+    # LABKIT_PREWARM=1: a warm process at `import labkit` (as in a notebook); the ranks are its children
+    env = {**os.environ, "LABKIT_PREWARM": "1" if ranks_from == "the warm process" else "0"}
+    parent = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              env=env)
     pids = {}
     deadline = time.monotonic() + 60
     while len(pids) < 2 and time.monotonic() < deadline:
@@ -91,6 +95,7 @@ def test_killing_the_launching_process_leaves_no_descendant(tmp_path):
     descendants = psutil.Process(parent.pid).children(recursive=True)
     try:
         assert len(pids) == 2 and len(descendants) >= 4, (pids, descendants)  # 2 ranks, each with its sleep
+        assert ("labkit-warm" in [p.name() for p in descendants]) == (ranks_from == "the warm process")
         parent.send_signal(signal.SIGKILL)  # like a kernel that did not restart in time
         parent.wait()
         deadline = time.monotonic() + 5
@@ -109,3 +114,57 @@ def _alive(proc: psutil.Process) -> bool:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def aborts_and_its_peer_is_slow_to_say_so(ctx):
+    """Rank 0 aborts (SIGABRT, as gloo's size check does) inside a step; rank 1 learns it from the lost connection
+    and takes 0.4 s to raise, as a peer does on a busy machine."""
+    x = torch.ones(4)
+    for step in range(3):
+        ctx.heartbeat(step)
+        if ctx.rank == 0 and step == 1:
+            os.abort()
+        try:
+            torch.distributed.all_reduce(x)
+        except RuntimeError:
+            time.sleep(0.4)
+            raise
+        ctx.record(step)
+
+
+def test_a_peer_slow_to_fail_after_a_sigabrt_is_reported_as_its_consequence(runs_root, no_leftovers):
+    # The launcher once read the ranks 50 ms after the first death: a peer that had not raised yet was "stopped"
+    # and blamed on nobody (lesson 12's shape mismatch, 4 runs in 9). It waits for the peers now.
+    with pytest.raises(RankFailure) as info:
+        launch(aborts_and_its_peer_is_slow_to_say_so, world_size=2, runs_root=runs_root, timeout=10, echo=False)
+    failure = info.value
+    assert (failure.rank, failure.reason) == (0, "signal") and "SIGABRT" in failure.detail, str(failure)
+    peer = failure.statuses[1]
+    # gloo words the lost connection by when it noticed: "Read error" mid-read, "Connection closed by peer" before
+    lost = ("Read error" in peer.detail) or ("Connection closed by peer" in peer.detail)
+    assert (peer.state, peer.because_of) == ("raised", 0) and lost, str(failure)
+    assert "its peer rank 0 failed" in peer.line(failure.statuses[0])
+
+
+def raises_while_its_peer_computes(ctx):
+    for step in range(3):
+        ctx.heartbeat(step)
+        if step == 1:
+            if ctx.rank == 1:
+                raise ValueError("rank 1 broke on purpose")
+            time.sleep(30)  # rank 0 is in its own code, not in a collective: it would not fail for a long while
+        ctx.record(step)
+
+
+def test_a_peer_that_does_not_fail_by_itself_is_stopped_and_blamed_on_the_cause(runs_root, monkeypatch,
+                                                                                no_leftovers):
+    from labkit.run import diagnose
+    monkeypatch.setattr(diagnose, "CONSEQUENCE_WAIT_S", 0.5)
+    started = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        launch(raises_while_its_peer_computes, world_size=2, runs_root=runs_root, timeout=60, echo=False)
+    failure = info.value
+    assert time.monotonic() - started < 10 and (failure.rank, failure.reason) == (1, "raised")
+    peer = failure.statuses[0]
+    assert (peer.state, peer.because_of) == ("stopped", 1), str(failure)
+    assert "stopped by labkit at step 1" in peer.line(failure.statuses[1]) and "after rank 1 failed" in str(failure)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import labkit
 from labkit import LaunchError, RunConfig
 from labkit.run.launch import choose_start_method
-from labkit.run.rank import rank_device, resolve_backend
+from labkit.run.session import rank_device, resolve_backend
 from labkit.training.loop import memory_fields
 
 cuda_guard = importlib.import_module("labkit.run.cuda_guard")

@@ -60,7 +60,9 @@ def test_gloo_aborts_the_rank_whose_tensor_is_short_and_the_report_says_why(runs
     failure = hangs.reproduce("shape", timeout=TIMEOUT, runs_root=runs_root).failure
     assert failure.reason == "signal" and "SIGABRT" in failure.detail
     assert "Received data size doesn't match expected size" in failure.detail
-    assert all(s.because_of == 1 for s in failure.statuses if s.rank != 1)
+    assert all(s.because_of == 1 for s in failure.statuses if s.rank != 1), str(failure)
+    # Each peer's line in the report names rank 1, however soon it noticed (the launcher waits for it to say so).
+    assert all("rank 1 failed" in s.line(failure.statuses[1]) for s in failure.statuses if s.rank != 1)
 
 
 @pytest.mark.parametrize("kind", ["rank0_only", "order", "loop", "lock"])
@@ -93,6 +95,7 @@ def test_detail_stops_every_rank_at_the_mismatch_and_names_each_ranks_collective
 def test_monitored_barrier_names_the_rank_stuck_in_python_before_the_watchdog(kind, runs_root, no_leftovers):
     out = hangs.reproduce(kind, timeout=10, debug=hangs.Debug(barrier_s=1.0), runs_root=runs_root)
     assert out.seconds < 1.0 + 5 and out.failure.rank == 0 and out.failure.reason == "raised"
+    assert out.noticed < out.seconds and out.noticed < 10   # seen when rank 0 raised, long before the watchdog
     assert re.search(r"Ranks 1 failed to pass monitoredBarrier", out.failure.detail), str(out.failure)
 
 
@@ -168,3 +171,14 @@ def test_a_stack_dump_is_taken_only_once_the_ranks_own_thread_is_written():
     assert not dump_is_whole(other + mine[:120], other)     # the rank's thread half written
     assert not dump_is_whole(other + mine, other + mine[:120])   # still arriving at the last look
     assert dump_is_whole(other + mine, other + mine)        # written, and nothing more since
+
+
+def test_lesson_12s_barrier_claim_compares_when_each_failure_was_noticed():
+    def timed(**noticed):
+        return hangs.Timed({k: hangs.Outcome(k, 9.0, object(), None, v) for k, v in noticed.items()}, 0.0, {})
+    hangs.barrier_speaks_first(timed(loop=1.4, lock=1.5, order=2.1))
+    for late in (dict(loop=2.2, lock=1.5, order=2.1), dict(loop=1.4, lock=2.1, order=2.1)):
+        with pytest.raises(AssertionError):
+            hangs.barrier_speaks_first(timed(**late))
+    with pytest.raises(AssertionError, match="did not fail"):
+        hangs.barrier_speaks_first(timed(loop=None, lock=1.5, order=2.1))

@@ -47,7 +47,7 @@ def test_a_function_defined_in_a_cell_runs_on_every_rank(method, runs_root, no_l
     assert "rank 1 done" in run.log(1)
 
 
-FAULTS = [("raise", "raised", "InjectedFault"), ("segfault", "signal", "SIGSEGV"), ("hang", "hung", "faults.py"),
+FAULTS = [("raise", "raised", "InjectedFault"), ("segfault", "signal", "SIGSEGV"), ("hang", "hung", "inject.py"),
           ("exit", "exited", "exit code 3"), ("nan", "raised", "NonFiniteLoss")]
 
 
@@ -111,12 +111,15 @@ def test_bad_input_is_rejected_before_any_process_starts(runs_root, no_leftovers
     assert not runs_root.exists() or not any(runs_root.iterdir())
 
 
-def test_fork_is_refused_and_auto_spawns_when_cuda_is_initialised(monkeypatch, runs_root, no_leftovers):
+def test_fork_is_refused_and_auto_uses_the_warm_process_when_cuda_is_initialised(monkeypatch, runs_root,
+                                                                                 no_leftovers):
     monkeypatch.setattr(cuda_guard, "cuda_is_initialised", lambda: True)
     monkeypatch.setattr(cuda_guard, "_cuda_initialised_before_labkit", False)
     monkeypatch.setattr(cuda_guard, "_cuda_init_stack", [traceback.FrameSummary("my_cell.py", 3, "<module>")])
     with pytest.raises(LaunchError, match="my_cell.py"):
         launch(_cell_function(), world_size=1, start_method="fork", runs_root=runs_root)
+    assert launch_module.choose_start_method("auto") == "warm"  # tests/test_warm.py launches it
+    monkeypatch.setenv("LABKIT_PREWARM", "0")  # no warm process wanted: spawn, as before
     assert launch_module.choose_start_method("auto") == "spawn"
 
 

@@ -1,17 +1,22 @@
 """The package's layout is its architecture: rooms in a fixed order, every import arrow pointing down, no circles.
 
-    base (config, fault, rules, records) <- training, view <- run <- measure <- tricks <- the face (__init__, cli, __main__)
+    base (config, constraints, fault, rules, display, rundir, records, context, memory) <- training, view <- run
+        <- measure, app <- tricks <- exercises <- the face (__init__, cli, __main__)
 
-train and view stand side by side: the training loop never imports plotting, and figures know nothing of training.
+Rooms on one floor stand side by side and never import each other: the training loop never imports plotting and
+figures know nothing of training; the control panel (app/) and the honest-speed tools (measure/) need neither.
 """
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "labkit"
-ROOMS = {"base": 0, "training": 1, "view": 1, "run": 2, "measure": 3, "tricks": 4, "face": 5}
-BASE = {"labkit.config", "labkit.fault", "labkit.rules", "labkit.records"}
+ROOMS = {"base": 0, "training": 1, "view": 1, "run": 2, "measure": 3, "app": 3, "tricks": 4, "exercises": 5,
+         "face": 6}
+BASE = {"labkit.config", "labkit.constraints", "labkit.fault", "labkit.rules", "labkit.display", "labkit.context", "labkit.rundir", "labkit.records",
+        "labkit.memory"}
 FACE = {"labkit", "labkit.cli", "labkit.__main__"}
 
 
@@ -88,10 +93,90 @@ def test_the_checker_sees_a_circle_and_an_upward_import(tmp_path):
     assert graph == {"labkit.training.a": {"labkit.view.b"}, "labkit.view.b": {"labkit.training.a"}}
 
 
-def test_the_readme_layout_names_every_room():
+def test_every_room_of_the_package_is_known_here():
+    rooms = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert rooms == set(ROOMS) - {"base", "face"}, f"rooms on disk {sorted(rooms)}; ROOMS knows {sorted(ROOMS)}"
+
+
+def readme_layout() -> str:
     readme = (PACKAGE.parent / "README.md").read_text()
-    layout = readme[readme.index("## Layout"):]
-    rooms = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
-    assert rooms and all(f"  {room}/" in layout for room in rooms), rooms
-    for module in (p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py")):
-        assert module in layout, f"README's layout does not mention labkit/{module}"
+    start = readme.index("## Layout")
+    return readme[start:readme.index("\n## ", start + 1)] if "\n## " in readme[start + 1:] else readme[start:]
+
+
+def layout_entries(layout: str) -> dict[str, str]:
+    """The layout block's entries under labkit/, by path: {"training/parallel/": "how the model is spread ... held
+    (bytes held), ...", "config.py": "the base: RunConfig ...", ...}. An entry is a line indented less than the
+    description column (its name, then two spaces or more, then text); deeper lines continue the entry above; a
+    folder's path comes from the entries it is indented under."""
+    block = layout.split("```")[1]
+    entries: dict[str, str] = {}
+    parents: list[tuple[int, str]] = []      # (indent, folder path) of the folders the current line sits in
+    current: list[str] = []
+    for line in block.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if not line.strip():
+            continue
+        if indent >= 8:                      # a continuation of the entry above
+            for key in current:
+                entries[key] += " " + line.strip()
+            continue
+        names, _, text = line.strip().partition("  ")
+        parents = [(i, p) for i, p in parents if i < indent]
+        prefix = parents[-1][1] if parents else ""
+        current = [prefix + name.strip() for name in names.split(",")]
+        for key in current:
+            entries[key] = text.strip()
+            if key.endswith("/"):
+                parents.append((indent, key))
+    return {key.removeprefix("labkit/"): text for key, text in entries.items()
+            if key.startswith("labkit/") and key != "labkit/"}
+
+
+def names(stem: str, text: str) -> bool:
+    """Whether `text` names `stem` as a whole word (`data` in "loop, data, lr", not in "metadata")."""
+    return re.search(rf"(?<![\w]){re.escape(stem)}(?![\w])", text) is not None
+
+
+def missing_from_layout(paths: list[Path], entries: dict[str, str]) -> list[str]:
+    """Modules and folders of labkit/ (given relative to it) that the layout's entries do not name: a folder needs
+    an entry of its own (training/parallel/), a top-level module one named after its file (config.py), and a module
+    in a folder its stem, as a word, in that folder's entry."""
+    missing = []
+    for rel in paths:
+        if rel.name in ("__init__.py", "__main__.py"):
+            folder = rel.parent
+            if folder.parts and f"{folder.as_posix()}/" not in entries:
+                missing.append(f"labkit/{folder.as_posix()}/")
+        elif len(rel.parts) == 1:
+            if rel.name not in entries:
+                missing.append(f"labkit/{rel}")
+        elif not names(rel.stem, entries.get(f"{rel.parent.as_posix()}/", "")):
+            missing.append(f"labkit/{rel}")
+    return missing
+
+
+def test_the_readme_layout_names_every_room_folder_and_module():
+    """Nested folders too (training/parallel/, training/state/): a newcomer reads the README to find a file, under
+    the folder it is in."""
+    paths = sorted(p.relative_to(PACKAGE) for p in PACKAGE.rglob("*.py"))
+    missing = missing_from_layout(paths, layout_entries(readme_layout()))
+    assert not missing, f"README's layout does not name these where they are: {missing}"
+
+
+def test_the_layout_check_wants_whole_words_in_the_right_folder():
+    entries = layout_entries("```\nlabkit/        the package\n  config.py, fault.py   the base\n"
+                             "  training/      the loop, metadata and\n"
+                             "                 lr (schedules)\n    state/       checkpoint\n  view/   a report\n```")
+    assert entries == {"config.py": "the base", "fault.py": "the base", "training/": "the loop, metadata and lr "
+                       "(schedules)", "training/state/": "checkpoint", "view/": "a report"}
+    paths = [Path(p) for p in ("config.py", "rules.py", "training/__init__.py", "training/loop.py", "training/lr.py",
+                               "training/data.py", "training/state/__init__.py", "training/state/checkpoint.py",
+                               "training/report.py", "run/__init__.py")]
+    assert missing_from_layout(paths, entries) == ["labkit/rules.py", "labkit/training/data.py",
+                                                   "labkit/training/report.py", "labkit/run/"]
+
+
+def test_the_room_rules_see_an_unknown_room():
+    with pytest.raises(AssertionError, match="in no room"):
+        room("labkit.attic.thing")

@@ -26,7 +26,9 @@ class Fake:
 def log(tmp_path, monkeypatch):
     path = tmp_path / "claims.jsonl"
     monkeypatch.setenv(claims.LOG_ENV, str(path))
-    return path
+    claims.reset_retries()      # and starts with the whole retry budget, as a lesson's kernel does
+    yield path
+    claims.reset_retries()
 
 
 def test_busy_then_quiet_is_checked_after_a_retry(log, capsys):
@@ -88,7 +90,7 @@ def test_the_summary_counts_and_names_the_skipped(log):
     gated("a", lambda m: None, Fake([(0.0, 1)], []))
     gated("b", lambda m: None, Fake([(5.0, 1)], []), attempts=1)
     lines = summary_lines(read_log(log))
-    assert lines[0] == "gated speed claims: 1 checked, 1 skipped"
+    assert lines[0] == "gated claims: 1 checked, 1 skipped"
     assert len(lines) == 2 and lines[1].startswith("  SKIPPED: b -- other programs kept 5.00")
     assert read_log(log, since=read_log(log)[-1].time + 1) == []   # an earlier session's lines are not counted
 
@@ -99,17 +101,18 @@ def test_make_test_prints_the_count_at_the_end(tmp_path):
     import sys
     from pathlib import Path
     test = tmp_path / "test_fake_lesson.py"
-    test.write_text("from labkit.measure.claims import gated\n"
+    test.write_text("from labkit.measure.claims import gated, not_checked\n"
                     "class M:\n    others = 3.0\n    def again(self):\n        return M()\n"
                     "def test_lesson():\n    gated('busy claim', lambda m: None, M(), attempts=2)\n"
-                    "    gated('quiet claim', lambda m: None, M(), others=lambda m: 0.0)\n")
+                    "    gated('quiet claim', lambda m: None, M(), others=lambda m: 0.0)\n"
+                    "    not_checked('py-spy claim', 'ptrace is not permitted here')\n")
     (tmp_path / "conftest.py").write_text(Path(__file__).with_name("conftest.py").read_text())
     log = tmp_path / "claims.jsonl"
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)], cwd=tmp_path,
                          capture_output=True, text=True, env={**os.environ, claims.LOG_ENV: str(log)})
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "gated speed claims: 1 checked, 1 skipped" in out.stdout
-    assert "SKIPPED: busy claim" in out.stdout
+    assert "gated claims: 1 checked, 2 skipped" in out.stdout
+    assert "SKIPPED: busy claim" in out.stdout and "SKIPPED: py-spy claim -- ptrace is not permitted" in out.stdout
 
 
 def test_a_gate_waits_for_quiet_before_measuring_again_and_gives_up_if_it_stays_busy(log, capsys):
@@ -117,6 +120,55 @@ def test_a_gate_waits_for_quiet_before_measuring_again_and_gives_up_if_it_stays_
     busy = gated("busy", lambda m: None, Fake([(0.9, 1)] * 5, made), wait=lambda limit: waits.append(limit) or 0.8)
     assert busy.status == "skipped" and busy.attempts == 1 and len(made) == 1 and waits == [claims.LIMIT_CORES]
     assert "then still 0.80 while waiting" in busy.reason
+    claims.reset_retries()
     made = []
     calm = gated("calm", lambda m: None, Fake([(0.9, 1), (0.0, 2)], made), wait=lambda limit: 0.05)
     assert calm.checked and calm.attempts == 2 and len(made) == 2
+
+
+def test_after_a_wait_that_ended_busy_the_next_busy_claim_is_skipped_without_waiting(log):
+    waits = []
+    gated("first", lambda m: None, Fake([(0.9, 1)] * 3, []), wait=lambda limit: waits.append(limit) or 0.9)
+    second = gated("second", lambda m: None, Fake([(0.9, 1)] * 3, []), wait=lambda limit: waits.append(limit) or 0.0)
+    assert len(waits) == 1 and second.status == "skipped" and second.attempts == 1
+    assert "still busy after a wait" in second.reason
+    assert gated("quiet", lambda m: None, Fake([(0.0, 1)], [])).checked   # a quiet measurement is checked as ever
+
+
+def test_waiting_and_measuring_again_share_one_budget_per_process(log, monkeypatch):
+    monkeypatch.setenv(claims.BUDGET_ENV, "0.2")
+    clock = iter(range(1000))
+    monkeypatch.setattr(claims.time, "monotonic", lambda: next(clock) * 0.1)  # every look at the clock: 0.1 s on
+    made = []
+    first = gated("first", lambda m: None, Fake([(0.9, 1)] * 5, made), wait=lambda limit: 0.0, attempts=5)
+    assert first.status == "skipped" and 2 <= first.attempts < 5 and "are spent" in first.reason
+    second = gated("second", lambda m: None, Fake([(0.9, 1)] * 5, []), wait=lambda limit: 0.0)
+    assert second.attempts == 1 and "are spent" in second.reason
+    monkeypatch.setenv(claims.BUDGET_ENV, "0")
+    claims.reset_retries()
+    assert gated("never again", lambda m: None, Fake([(0.9, 1)] * 5, []), wait=lambda limit: 0.0).attempts == 1
+
+
+def test_a_claim_this_machine_cannot_check_is_counted_as_skipped_with_its_reason(log, capsys):
+    outcome = claims.not_checked("12: py-spy dumps the ranks", "ptrace is not permitted here")
+    assert outcome.status == "skipped" and outcome.attempts == 0
+    assert "NOT CHECKED, 12: py-spy dumps the ranks: ptrace is not permitted here" in capsys.readouterr().out
+    assert summary_lines(read_log(log)) == ["gated claims: 0 checked, 1 skipped",
+                                            "  SKIPPED: 12: py-spy dumps the ranks -- ptrace is not permitted here"]
+    with pytest.raises(ValueError, match="say why"):
+        claims.not_checked("x", "")
+
+
+def test_metered_measures_any_function_on_pinned_cores_and_again_on_demand(log):
+    from labkit.measure import metered, together
+    calls = []
+    first = metered(lambda: calls.append(os.sched_getaffinity(0)) or len(calls), cores=1)
+    assert first.value == 1 and len(calls[0]) == 1 and first.seconds >= 0 and first.others >= 0
+    second = first.again()
+    assert second.value == 2 and second.cores == 1
+    both = together(first, second)
+    assert both.others == max(first.others, second.others) and both.again()[1].value == 4
+    checked = gated("metered", lambda m: None, first, others=lambda m: 0.0)
+    assert checked.checked
+    with pytest.raises(ValueError, match="know their others"):
+        together({"others": 0.0})

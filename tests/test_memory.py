@@ -2,8 +2,8 @@
 import pytest
 
 import labkit
-from labkit.tricks import memory
-from labkit.tricks.memory import model_state_bytes, state_breakdown
+from labkit import memory
+from labkit.memory import model_state_bytes, state_breakdown
 
 GB = 1e9
 
@@ -71,3 +71,32 @@ def test_activations_of_a_small_case_by_hand():
 def test_activation_arguments_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         memory.activation_bytes(**{"seq": 8, "batch": 1, "hidden": 8, "heads": 2, **kwargs})
+
+
+def test_sequence_parallel_activations_of_the_papers_layer_by_hand():
+    # Korthikanti et al., section 4.2.2: with sequence parallelism every term is split, s·b·h·(34/t + 5·a·s/(h·t))
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    got = memory.activation_bytes(seq=s, batch=b, hidden=h, heads=a, tp=t, sequence_parallel=True)
+    assert got == pytest.approx(s * b * h * (34 / t + 5 * a * s / (h * t)))
+    # it saves s·b·h·(10 - 10/t) bytes per layer over tensor parallelism alone: the whole values and the masks
+    alone = memory.activation_bytes(seq=s, batch=b, hidden=h, heads=a, tp=t)
+    assert alone - got == pytest.approx(s * b * h * 10 * (1 - 1 / t))
+    # on one rank there is nothing to split: the same as no parallelism
+    assert memory.activation_bytes(seq=s, batch=b, hidden=h, heads=a, tp=1, sequence_parallel=True) == \
+        memory.activation_bytes(seq=s, batch=b, hidden=h, heads=a)
+
+
+def test_sequence_parallel_activations_of_a_small_case_by_hand():
+    # s=4, b=2, h=8, a=2, tp=2, fp32, no dropout, fused attention, 1 layer, sbh = 64 values of 4 B = 256 B:
+    # 2 gathered values kept whole (512), the other 2 whole ones split (256), 12 split (1536), log-sum-exp 32,
+    # LayerNorm statistics split (2 x 2 x 8 x 4 / 2 = 64); outside: 1 gathered (256), 1 split (128), final
+    # statistics split (2 x 8 x 4 / 2 = 32)
+    kwargs = dict(seq=4, batch=2, hidden=8, heads=2, tp=2, value_bytes=4, dropout=False, scores=False,
+                  outside_values=2, norm_stats=True, sequence_parallel=True)
+    assert memory.activation_bytes(**kwargs, gathered_values=2, outside_gathered_values=1) == \
+        512 + 256 + 1536 + 32 + 64 + 256 + 128 + 32
+    # gathered values mean nothing without sequence parallelism: tensor parallelism keeps the whole values whole
+    assert memory.activation_bytes(**{**kwargs, "sequence_parallel": False}, gathered_values=2) == \
+        memory.activation_bytes(**{**kwargs, "sequence_parallel": False})
+    with pytest.raises(ValueError, match="gathered_values"):
+        memory.activation_bytes(**kwargs, gathered_values=5)

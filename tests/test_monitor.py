@@ -70,7 +70,7 @@ def test_slow_faults_need_a_delay_and_only_they_have_one():
     assert Fault(kind="slow", rank=0, step=0, delay_s=0.01).problems() == []
     with pytest.raises(ConfigError, match="Fault.delay_s = 0"):
         RunConfig(faults=(Fault(kind="slow", rank=0, step=0),))
-    with pytest.raises(ConfigError, match="only a \"slow\" fault"):
+    with pytest.raises(ConfigError, match="only a \"slow\" or \"clock\" fault"):
         RunConfig(faults=(Fault(kind="raise", rank=0, step=0, delay_s=1.0),))
     with pytest.raises(ConfigError, match="Fault.delay_s = -1"):
         RunConfig(faults=(Fault(kind="slow", rank=0, step=0, delay_s=-1),))

@@ -17,7 +17,7 @@ import yaml
 
 import labkit
 from labkit import Fault, RunConfig, load_run
-from labkit.cli import missing_ranks
+from labkit.rundir import RunDir
 from labkit.tricks.monitor import read_tensorboard
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,7 +89,7 @@ def test_the_slurm_script_runs_two_nodes_into_one_run_that_matches_a_notebook_la
     assert all(r["rank"] == 2 * r["node"] + r["local_rank"] for r in layout), layout  # contiguous per node
     assert {r["node"] for r in layout} == {0, 1} and {r["local_rank"] for r in layout} == {0, 1}
     assert sorted(read_tensorboard(run)["rank"].unique()) == [0, 1, 2, 3]  # each rank wrote its own events
-    assert missing_ranks(run_dir, 4) == []
+    assert RunDir(run_dir).missing_records(4) == []
 
     notebook = labkit.launch(config, runs_root=tmp_path / "runs", echo=False, progress=False)
     np.testing.assert_allclose(run.df["loss"], notebook.df["loss"], rtol=1e-6)  # both sorted by (step, rank)
@@ -159,4 +159,4 @@ def test_a_rank_that_fails_under_torchrun_leaves_a_report_labkit_show_reads(tmp_
 def test_ranks_whose_records_are_elsewhere_are_named(tmp_path):
     for rank in (0, 1):
         (tmp_path / f"rank{rank}.jsonl").write_text("")
-    assert missing_ranks(tmp_path, 4) == [2, 3] and missing_ranks(tmp_path, 2) == []
+    assert RunDir(tmp_path).missing_records(4) == [2, 3] and RunDir(tmp_path).missing_records(2) == []

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 from packaging.requirements import Requirement
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,3 +64,31 @@ def test_torch_is_installed_alone_and_first_with_an_exact_pin():
     torch_line = makefile.index('pip install --quiet "torch==2.13.0"')
     assert torch_line < makefile.index("-c requirements.lock")
     assert f'torch=={lock()["torch"]}' in makefile
+
+
+def floor() -> dict[str, str]:
+    lines = [l for l in (ROOT / "requirements-floor.txt").read_text().splitlines() if l.strip() and not l.startswith("#")]
+    return _pins(lines)
+
+
+def lower_bound(requirement: Requirement) -> str:
+    bounds = [s.version for s in requirement.specifier if s.operator == ">="]
+    assert len(bounds) == 1, f"{requirement}: needs exactly one '>=' lower bound (the floor make test-floor tests)"
+    return bounds[0]
+
+
+def test_the_floor_pins_every_tested_dependency_at_its_declared_lower_bound():
+    """requirements-floor.txt is what `make test-floor` installs: the runtime dependencies and the test extra, each at
+    the lower bound pyproject.toml declares (so moving a floor means testing it), except torch (see the file)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    tested = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["test"]]
+    pins = floor()
+    assert pins.pop("torch") == lock()["torch"], "the floor venv keeps the lock's torch build (the one installable)"
+    expected = {_name(r.name): Version(lower_bound(r)) for r in tested if _name(r.name) != "torch"}
+    assert {name: Version(v) for name, v in pins.items()} == expected
+
+
+def test_the_floor_venv_installs_torch_alone_and_first_too():
+    makefile = (ROOT / "Makefile").read_text()
+    target = makefile[makefile.index("$(FLOOR)/.installed:"):]
+    assert target.index('pip install --quiet "torch==2.13.0"') < target.index("-c requirements-floor.txt")

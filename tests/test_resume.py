@@ -10,8 +10,8 @@ import pytest
 
 import labkit
 from labkit import Fault, LaunchError, RankFailure, RunConfig, launch, load_run
-from labkit.training.checkpoint import CheckpointError, find
-from labkit.tricks.chaos import KillRank
+from labkit.training.state.checkpoint import CheckpointError, find
+from labkit.tricks.killrank import KillRank
 
 # Dropout draws from each rank's torch generator every step: a resume that lost an RNG stream would not match.
 CONFIG = RunConfig(world_size=2, steps=14, checkpoint_every=2, checkpoint_keep=2, dropout=0.1, tensorboard=False)

@@ -4,7 +4,7 @@ import torch
 
 import pytest
 
-from labkit.training.schedule import lr_at
+from labkit.training.lr import lr_at
 
 
 def test_warmup_rises_linearly_to_the_peak():
@@ -51,7 +51,7 @@ HF = [dict(schedule="cosine_restarts", cycles=3, warmup_steps=5, steps=47),
 
 @pytest.mark.parametrize("fields", HF)
 def test_each_transformers_schedule_equals_transformers_own_scheduler_at_every_step(fields):
-    from labkit.training.schedule import lr_for_config
+    from labkit.training.lr import lr_for_config
     cfg = RunConfig(lr=3e-3, **fields)
     ours = [lr_for_config(s, cfg) for s in range(cfg.steps)]
     assert ours == schedules.reference_lrs(cfg)     # bit for bit, against LambdaLR stepped by an optimizer

@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 import labkit
 from labkit import Fault, RankFailure, RunConfig
-from labkit.training.faults import BAD_INPUT_SCALE, corrupt_batch
-from labkit.training.stability import NanGuard
+from labkit.training.inject import BAD_INPUT_SCALE, corrupt_batch
+from labkit.training.nonfinite import NanGuard
 from labkit.tricks import stability
 
 CFG = RunConfig(world_size=2, steps=6, tensorboard=False, save_final=False)
@@ -123,11 +123,16 @@ def test_a_bad_batch_on_one_rank_reaches_every_rank_through_the_average(runs_roo
     assert losses.loc[3, 0] > 10 * losses.loc[1, 0]                  # rank 0 never saw the batch, yet pays for it
 
 
-def test_flag_cost_alternates_steps_and_summarises_pairs(runs_root):
-    run = labkit.launch(stability.flag_cost, config=CFG.replace(steps=8), runs_root=runs_root, echo=False)
-    assert run.df.groupby("step")["flag"].first().tolist() == [0, 1] * 4
+def test_flag_cost_takes_turns_and_times_the_flags_parts(runs_root):
+    run = labkit.launch(stability.flag_cost, config=CFG.replace(steps=10), runs_root=runs_root, echo=False)
+    kinds = run.df[run.df["rank"] == 0].set_index("step")[["rows", "flag"]]
+    rows = CFG.global_batch // CFG.world_size
+    assert list(kinds.itertuples(index=False, name=None)) == [(rows * t, f) for t, f in map(stability.flag_kind,
+                                                                                             range(10))]
+    assert (run.df.loc[run.df["flag"] == 0, "flag_calls"] == 0).all()      # no agreement on unflagged steps
     summary = stability.flag_cost_summary(run)
-    assert summary["pairs"] == 3 and summary["ms_in_agreement"] > 0
+    assert summary.index.tolist() == [rows, stability.GROWTH * rows] and (summary["pairs"] == 2).all()
+    assert (summary["round_trip"] > 0).all() and (summary["most"] >= summary["least"]).all()
 
 
 def test_clip_before_unscale_sees_the_norm_times_the_loss_scale(runs_root):

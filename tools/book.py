@@ -1,12 +1,17 @@
 """The book's front page: site/index.html, the lessons in order, each with its one-line summary and headline figure.
 
     python tools/book.py site/executed site      # executed notebooks in, index.html and figures/ out
+    python tools/book.py site/executed site --times site/times.tsv --wall-s 1130   # and each lesson's seconds
 
 `make book` executes every notebook into site/executed/, converts each to site/<name>.html, then runs this.
 For each lesson: its title (the first heading), its summary (the notebook's row in README.md's table, else the
 first sentence under the title), and its headline figure: the first image of a cell tagged "headline", else of
 the first cell that calls compare(...), else the notebook's first image, else the last image a widget showed
 (the playground's panel). A lesson without any image gets no figure, not an error.
+
+Each lesson's seconds come from the executed notebook itself (nbclient stamps every cell: from the first cell's
+start to the last cell's reply); they are printed, with their sum, the book's wall time (--wall-s, measured by
+`make book`) and its budget (BUDGET_S), and written to --times as a table.
 """
 from __future__ import annotations
 
@@ -55,6 +60,34 @@ def readme_table(readme: Path) -> dict[str, str]:
         for match in re.finditer(r"^\|\s*`([^`]+\.ipynb)`\s*\|\s*(.+?)\s*\|\s*$", readme.read_text(), re.M):
             rows[match.group(1)] = match.group(2)
     return rows
+
+
+BUDGET_S = 25 * 60  # the whole book, executed at full size on 2 cores
+
+
+def lesson_seconds(notebook: Path) -> float | None:
+    """Seconds from the first cell's start to the last cell's reply, as nbclient stamped them (None: no stamps)."""
+    from datetime import datetime
+    stamps = [c.get("metadata", {}).get("execution", {}) for c in json.loads(notebook.read_text()).get("cells", [])]
+    starts = [s["iopub.execute_input"] for s in stamps if "iopub.execute_input" in s]
+    ends = [s["shell.execute_reply"] for s in stamps if "shell.execute_reply" in s]
+    if not starts or not ends:
+        return None
+    when = [datetime.fromisoformat(t.replace("Z", "+00:00")) for t in (min(starts), max(ends))]
+    return (when[1] - when[0]).total_seconds()
+
+
+def times_table(executed: Path, wall_s: float | None = None) -> str:
+    """Each executed lesson's seconds, their sum, the book's wall time and its budget, as tab-separated lines."""
+    rows = [(p.stem, lesson_seconds(p)) for p in sorted(Path(executed).glob("[0-9]*.ipynb"))
+            if not p.name.endswith(".blank.ipynb")]
+    total = sum(s for _, s in rows if s is not None)
+    lines = ["lesson\tseconds"] + [f"{name}\t{'' if s is None else format(s, '.0f')}" for name, s in rows]
+    lines.append(f"sum of the lessons\t{total:.0f}")
+    if wall_s is not None:
+        lines.append(f"make book, wall time (kernels started, HTML, index)\t{wall_s:.0f}")
+    lines.append(f"budget\t{BUDGET_S}")
+    return "\n".join(lines) + "\n"
 
 
 def build(executed: Path, site: Path, readme: Path = Path("README.md")) -> Path:
@@ -126,8 +159,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("executed", type=Path, help="folder of executed notebooks")
     parser.add_argument("site", type=Path, help="where index.html and figures/ go (beside the lessons' HTML)")
     parser.add_argument("--readme", type=Path, default=Path("README.md"))
+    parser.add_argument("--times", type=Path, help="also write each lesson's seconds here (tab-separated)")
+    parser.add_argument("--wall-s", type=float, help="the book's wall time, measured by make book")
     args = parser.parse_args(argv)
     print(f"wrote {build(args.executed, args.site, args.readme)}")
+    if args.times:
+        table = times_table(args.executed, args.wall_s)
+        args.times.write_text(table)
+        print(table.replace("\t", ": "), end="")
+        spent = args.wall_s if args.wall_s is not None else float(table.splitlines()[-2].split("\t")[1])
+        print(f"book: {spent / 60:.1f} min of a {BUDGET_S // 60} min budget: {'met' if spent <= BUDGET_S else 'NOT met'}")
     return 0
 
 

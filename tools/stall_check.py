@@ -7,7 +7,7 @@
     python tools/stall_check.py sends notebooks/15_playground.ipynb   # what nbclient sends back: 0 means no race
 
 A stalled cell does not fail: nbclient finds the execute_reply it missed when its poll times out, and the cell
-passes after exactly the per-cell timeout (labkit/view/panel.py's docstring says why). So a stall is seen in time
+passes after exactly the per-cell timeout (labkit/app/panel.py's docstring says why). So a stall is seen in time
 only: `cells` times each cell of a two-cell notebook under nbclient with a short timeout and counts those that
 took the whole timeout; `nbmake` runs `pytest --nbmake` on a notebook again and again, each time in a fresh
 process, and counts the runs that took longer than the per-cell timeout; `sends` counts the messages behind the

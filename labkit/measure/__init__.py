@@ -1,13 +1,18 @@
 """How lessons and benchmarks measure speed honestly: on pinned cores, with the other programs on those cores
 metered, so that a speed claim is checked only when the cores were ours.
 
-    cores.py       pinned_to(n), CpuMeter, wait_for_quiet: the cores a block runs on, and who kept them busy
+    cores.py       usable_cores(), pinned_to(n), pin_rank(r), CpuMeter, wait_for_quiet: the cores a block runs on, and who kept them busy
     timing.py      interleaved(variants, rounds=, cores=): several variants timed side by side, least disturbed kept
-    claims.py      gated(claim, check, measured): check a speed claim on a quiet measurement, or say NOT CHECKED
+    metered.py     metered(fn, cores=): any measurement (a benchmark, a sweep) pinned and metered, made again on demand
+    claims.py      gated(claim, check, measured): check a speed claim on a quiet measurement, or say NOT CHECKED;
+                   not_checked(claim, reason): a claim this machine cannot check, counted as skipped;
+                   checked_unless(reason, claim, check, measured): checked where it can be, else not_checked
 """
-from .claims import Outcome, gated
-from .cores import CpuMeter, pinned_to
+from .claims import Outcome, checked_unless, gated, not_checked, summary_lines
+from .cores import CpuMeter, pin_rank, pinned_to, usable_cores
+from .metered import Metered, metered, together
 from .timing import Timing, Timings, interleaved, steady_step_s, steady_window
 
-__all__ = ["CpuMeter", "pinned_to", "interleaved", "Timing", "Timings", "steady_window", "steady_step_s", "gated",
-           "Outcome"]
+__all__ = ["CpuMeter", "pinned_to", "pin_rank", "usable_cores", "interleaved", "Timing", "Timings", "steady_window",
+           "steady_step_s", "gated", "Outcome", "summary_lines", "not_checked", "checked_unless", "metered", "Metered",
+           "together"]

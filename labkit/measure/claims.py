@@ -10,16 +10,29 @@ cores, then check (assert) or say NOT CHECKED, and keep a record either way.
 
 Other programs on our cores only take time away, and unevenly, so a speed comparison made while they ran says
 little either way. The gate judges a measurement by the cores other programs kept busy on the pinned cores (the
-CpuMeter's `others`; for a Timings, its busiest variant). Over `limit`, it waits a little for the cores to fall
-quiet and measures again, at most `attempts` times in all (if they stay busy, it stops there: measuring again
-would be in vain, and a lesson's cell must end in minutes). Then it either runs the check and records "checked" (an AssertionError is recorded as "failed" and
-raised), or records "skipped" and prints NOT CHECKED with the reason. A skipped claim is not a passed claim: each
-outcome is appended as one JSON line to the file that LABKIT_CLAIMS_LOG names, and `make test` counts them.
+CpuMeter's `others`; for a Timings, its busiest variant). Over `limit`, it waits a little (WAIT_S) for the cores to
+fall quiet and measures again, at most `attempts` times in all. Then it either runs the check and records "checked"
+(an AssertionError is recorded as "failed" and raised), or records "skipped" and prints NOT CHECKED with the
+reason. A skipped claim is not a passed claim: each outcome is appended as one JSON line to the file that
+LABKIT_CLAIMS_LOG names, and `make test` counts them.
+
+Waiting is bounded for a whole lesson, not only per claim, so that a lesson on a busy machine takes about what its
+own work takes there (about twice its quiet time when every core is busy), not minutes more: the waits and the
+measurements made again by every gate of one process together get RETRY_BUDGET_S seconds (LABKIT_GATE_BUDGET_S
+sets it; 0: never measure again), and once a wait has ended with the cores still busy, a claim measured busy
+within the next BUSY_MEMORY_S seconds is skipped without waiting (a busy loop that outlasted one wait is not
+waited out claim after claim). The reason printed says which bound applied.
+
+A claim that cannot be checked here at all (py-spy refused by ptrace, no GPU) is recorded the same way, so that it
+is counted and named, not skipped in silence:
+
+    not_checked("12: py-spy dumps the stuck rank from outside", f"py-spy could not read the ranks: {problem}")
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -30,6 +43,39 @@ from typing import Any, Callable
 LIMIT_CORES = 0.2
 ATTEMPTS = 3           # measurements in all, the first included
 LOG_ENV = "LABKIT_CLAIMS_LOG"
+WAIT_S = 5.0           # one wait for the cores to fall quiet, before measuring again
+RETRY_BUDGET_S = 15.0  # waiting and measuring again, for every gate of this process together
+BUDGET_ENV = "LABKIT_GATE_BUDGET_S"
+BUSY_MEMORY_S = 60.0   # after a wait that ended busy, busy claims this soon after are skipped without waiting
+
+
+@dataclasses.dataclass
+class _Retries:
+    """What this process's gates have spent on waiting and measuring again, and when a wait last ended busy."""
+    spent_s: float = 0.0
+    still_busy_at: float = -math.inf
+
+    def budget_s(self) -> float:
+        return float(os.environ.get(BUDGET_ENV, RETRY_BUDGET_S))
+
+    def why_not(self) -> str:
+        """Why this process may not wait and measure again now ("" when it may)."""
+        if time.monotonic() - self.still_busy_at < BUSY_MEMORY_S:
+            ago = time.monotonic() - self.still_busy_at
+            return f"; the cores were still busy after a wait {ago:.0f} s ago, so no waiting again"
+        if self.spent_s >= self.budget_s():
+            return (f"; this process's {self.budget_s():g} s for waiting and measuring again are spent "
+                    f"({BUDGET_ENV})")
+        return ""
+
+
+_retries = _Retries()
+
+
+def reset_retries() -> None:
+    """Forget what this process's gates have spent (a new lesson in the same process, a test)."""
+    global _retries
+    _retries = _Retries()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +107,8 @@ def gated(claim: str, check: Callable[[Any], None], measured: Any = None, *,
     measure: makes a fresh one; default `measured.again()`. others: its others' cores; default `m.others`.
     wait(limit): called before measuring again; waits a while for the cores to fall quiet and returns the others'
     cores it saw last. Still busy: the claim is skipped without measuring in vain. Default: the measurement's own
-    wait_for_quiet (a Timings watches its pinned cores for up to 10 s), or no waiting."""
+    wait_for_quiet (a Timings watches its pinned cores), for at most WAIT_S, or no waiting. Waiting and measuring
+    again are bounded for the whole process too (see the module docstring)."""
     if not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 1:
         raise ValueError(f"attempts = {attempts!r}: must be an integer >= 1 (measurements in all)")
     if not (isinstance(limit, (int, float)) and limit >= 0):
@@ -72,7 +119,8 @@ def gated(claim: str, check: Callable[[Any], None], measured: Any = None, *,
                              "measure itself again (a measure.Timings)")
         measure = measured.again
     judge = others or (lambda m: float(m.others))
-    wait = wait or getattr(measured, "wait_for_quiet", None)
+    if wait is None and hasattr(measured, "wait_for_quiet"):
+        wait = lambda limit: measured.wait_for_quiet(limit, WAIT_S)  # noqa: E731
     seen: list[float] = []
     measurement = measured if measured is not None else measure()
     still = ""
@@ -82,15 +130,46 @@ def gated(claim: str, check: Callable[[Any], None], measured: Any = None, *,
             return _check(claim, check, measurement, seen, limit)
         if len(seen) >= attempts:
             break
+        still = _retries.why_not()
+        if still:
+            break
+        started = time.monotonic()
         now = wait(limit) if wait is not None else 0.0
         if now > limit:
+            _retries.spent_s += time.monotonic() - started
+            _retries.still_busy_at = time.monotonic()
             still = f"; then still {now:.2f} while waiting to measure again"
             break
         measurement = measure()
+        _retries.spent_s += time.monotonic() - started
     reason = (f"other programs kept {min(seen):.2f} to {max(seen):.2f} cores busy on the pinned cores in "
               f"{len(seen)} measurement{'s' * (len(seen) > 1)} (limit {limit:g}){still}")
     print(f"NOT CHECKED, {claim}: {reason}")
     return record(Outcome(claim, "skipped", len(seen), seen, limit, reason))
+
+
+def not_checked(claim: str, reason: str) -> Outcome:
+    """Record `claim` as skipped for `reason` (something this machine cannot do, not a busy core) and print
+    NOT CHECKED:  not_checked("12: py-spy reads the ranks", "ptrace is not permitted in this container")."""
+    if not reason:
+        raise ValueError(f"claim {claim!r}: say why it cannot be checked here")
+    print(f"NOT CHECKED, {claim}: {reason}")
+    return record(Outcome(claim, "skipped", 0, [], 0.0, reason))
+
+
+def checked_unless(reason: str | None, claim: str, check: Callable[[Any], None], measured: Any = None) -> Outcome:
+    """A claim that only some machines can check (a tool not installed, ptrace refused): given a `reason`, print
+    NOT CHECKED and record it as skipped, as gated does for busy cores; else run check(measured) and record it:
+    checked_unless(None if spy.ok else spy.problem, "12: py-spy reads every rank", check, spy)."""
+    if reason:
+        return not_checked(claim, reason)
+    try:
+        check(measured)
+    except AssertionError as failure:
+        record(Outcome(claim, "failed", 1, [], 0.0, f"{type(failure).__name__}: {failure}"[:500]))
+        raise
+    print(f"checked, {claim}")
+    return record(Outcome(claim, "checked", 1, [], 0.0))
 
 
 def _check(claim: str, check: Callable[[Any], None], measurement: Any, seen: list[float], limit: float) -> Outcome:
@@ -124,9 +203,10 @@ def read_log(path: str | Path, since: float = 0.0) -> list[Outcome]:
 
 
 def summary_lines(outcomes: list[Outcome]) -> list[str]:
-    """'gated speed claims: N checked, M skipped', then each skipped claim with its reason (and any failed):
+    """'gated claims: N checked, M skipped', then each skipped claim with its reason (and any failed); the speed
+    claims skipped for busy cores and the claims this machine cannot check (not_checked) are counted alike:
     summary_lines(read_log(path))."""
     by = {status: [o for o in outcomes if o.status == status] for status in ("checked", "skipped", "failed")}
-    head = f"gated speed claims: {len(by['checked'])} checked, {len(by['skipped'])} skipped"
+    head = f"gated claims: {len(by['checked'])} checked, {len(by['skipped'])} skipped"
     head += f", {len(by['failed'])} failed" if by["failed"] else ""
     return [head] + [f"  {o.status.upper()}: {o.claim} -- {o.reason}" for o in by["skipped"] + by["failed"]]

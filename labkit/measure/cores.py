@@ -20,6 +20,12 @@ import numpy as np
 import psutil
 
 
+def usable_cores() -> int:
+    """CPU cores this process (and the ranks it forks) may run on: its affinity mask, which taskset, containers
+    and lessons narrow, so it can be fewer than os.cpu_count():  usable_cores() -> 2."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 @contextlib.contextmanager
 def pinned_to(cores: int) -> Iterator[list[int]]:
     """Run the block on the first `cores` cores this process may use (forked ranks inherit the mask); yields them.
@@ -35,6 +41,33 @@ def pinned_to(cores: int) -> Iterator[list[int]]:
         yield allowed[:cores]
     finally:
         os.sched_setaffinity(0, allowed)
+
+
+def pin_rank(rank: int) -> int:
+    """Inside a rank: keep this process, every thread of it, on one core of its own, the rank-th of those it may use
+    (wrapping round when there are fewer cores than ranks); returns the core.  pin_rank(ctx.rank) first thing in fn(ctx).
+
+    pinned_to sets one mask for a whole block, which forked ranks inherit: they share those cores and the OS moves
+    them about. A pipeline's bubble is the time a rank waits for its peer, which is only measured as such when each
+    rank has a core to itself; this is the call that gives it one, made by each rank for itself. Every thread:
+    the mask is a thread's, and by the time fn(ctx) runs the process group has started its own threads (gloo's
+    send/receive loop and workers), which would otherwise keep the wider mask and run on a peer's core."""
+    allowed = sorted(os.sched_getaffinity(0))
+    core = allowed[rank % len(allowed)]
+    for thread in _threads():
+        try:
+            os.sched_setaffinity(thread, [core])
+        except OSError:  # a thread that ended since it was listed
+            pass
+    return core
+
+
+def _threads() -> list[int]:
+    """This process's thread ids (Linux lists them under /proc/self/task; elsewhere, the calling thread only)."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
 
 
 class CpuMeter:

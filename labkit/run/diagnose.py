@@ -11,6 +11,13 @@ Two situations:
   the one furthest behind). With three or more ranks, a rank that called another collective, or called one
   alone, stands out; with two, a disagreement has no majority and the report shows both sides.
 A rank killed by a signal is reported with what the C++ runtime said just before (gloo's size check, say).
+
+Consequences take a moment to show. When a rank dies, its peers learn it from a closed connection, raise, write
+their error files and exit: a few milliseconds on a quiet machine, a few hundred with a core kept busy by another
+program. So once a rank has failed, the launcher waits for the others to exit (await_exits: until all have, at
+most CONSEQUENCE_WAIT_S) before it reads how each ended; a fixed short pause here blamed nobody for rank 0's stop
+in one run of five under load. A rank still running after that wait did not fail on its own: labkit stops it, and
+the report says it stopped because of the cause (because_of), as it says of a peer that saw the lost connection.
 """
 from __future__ import annotations
 
@@ -26,10 +33,12 @@ from typing import Any
 
 import torch
 
+from ..rundir import RunDir
 from .failure import RankFailure, RankStatus
 from .rank import FINISHING, INITIALISING, Heartbeats
 from .reaping import exit_code
 
+CONSEQUENCE_WAIT_S = 2.0  # after a rank fails, the longest wait for its peers to fail too and say why
 STACK_DUMP_WAIT_S = 2.0  # after asking hung ranks for their stacks, the longest wait for the dumps (a busy machine)
 
 _TORCH_DIR = str(Path(torch.__file__).parent) + os.sep
@@ -38,39 +47,62 @@ _PEER_FAILURE = re.compile(r"connection closed|connection reset|broken pipe|peer
                            r"ProcessGroup|NCCL error|timed out", re.I)
 
 
-def classify_exits(procs: list[Any], beats: Heartbeats, run_dir: Path, failed: list[int]) -> RankFailure:
-    """The RankFailure for ranks that exited with a non-zero code."""
-    statuses = [_exit_status(r, p, beats, run_dir) for r, p in enumerate(procs)]
+def await_exits(procs: list[Any], exited_at: dict[int, float], wait_s: float | None = None,
+                poll_s: float = 0.005) -> dict[int, float]:
+    """After a failure: wait until every rank has exited, or `wait_s` (default CONSEQUENCE_WAIT_S) has passed;
+    returns when each rank was first seen exited (time.time()), from `exited_at` on:
+    await_exits(procs, {1: time.time()})."""
+    seen = dict(exited_at)
+    deadline = time.monotonic() + (CONSEQUENCE_WAIT_S if wait_s is None else wait_s)
+    while True:
+        for rank, proc in enumerate(procs):
+            if rank not in seen and exit_code(proc) is not None:
+                seen[rank] = time.time()
+        if len(seen) == len(procs) or time.monotonic() >= deadline:
+            return seen
+        time.sleep(poll_s)
+
+
+def classify_exits(procs: list[Any], beats: Heartbeats, run_dir: Path, failed: list[int],
+                   exited_at: dict[int, float] | None = None) -> RankFailure:
+    """The RankFailure for ranks that exited with a non-zero code (`failed`: those seen first; `exited_at`: when
+    each rank was seen exited, from await_exits)."""
+    exited_at = exited_at or {}
+    statuses = [_exit_status(r, p, beats, run_dir, exited_at.get(r)) for r, p in enumerate(procs)]
     failures = [statuses[r] for r in failed] + [s for s in statuses if s.state in ("raised", "signal", "exited")
                                                  and s.rank not in failed]
     causes = [s for s in failures if not _is_consequence(s)] or failures
     cause = min(causes, key=lambda s: s.time)
-    for status in failures:
-        if status is not cause and _is_consequence(status):
+    for status in statuses:
+        # A peer that lost its connection to the cause, or one still running when labkit stopped it: neither
+        # failed on its own.
+        if status is not cause and (_is_consequence(status) or status.state == "stopped"):
             status.because_of = cause.rank
     return RankFailure(cause, statuses, run_dir)
 
 
-def _exit_status(rank: int, proc: Any, beats: Heartbeats, run_dir: Path) -> RankStatus:
+def _exit_status(rank: int, proc: Any, beats: Heartbeats, run_dir: Path, seen_at: float | None = None) -> RankStatus:
+    """How rank `rank` ended; `seen_at`: when the watchdog first saw it exited (the time of a death by signal)."""
     _, step, _, recorded = beats.read(rank)
     code = exit_code(proc)
+    seen_at = seen_at or time.time()
     if code is None:
         return RankStatus(rank, "stopped", step, recorded, "stopped by labkit after another rank failed")
     if code == 0:
-        return RankStatus(rank, "ok", step, recorded)
-    error_file = run_dir / f"rank{rank}.error.json"
+        return RankStatus(rank, "ok", step, recorded, time=seen_at)
+    error_file = RunDir(run_dir).error(rank)
     if code > 0 and error_file.exists():
         err = json.loads(error_file.read_text())
         return RankStatus(rank, "raised", err["step"], recorded, f"{err['type']}: {err['message']}",
                           err["traceback"], err["time"])
-    log = _read(run_dir / f"rank{rank}.log")
+    log = _read(RunDir(run_dir).log(rank))
     if code < 0:
         name = signal.Signals(-code).name
         said = _abort_reason(log)
         return RankStatus(rank, "signal", step, recorded, f"{name} (signal {-code})" + (f": {said}" if said else ""),
-                          _fatal_part(log))
+                          _fatal_part(log), seen_at)
     return RankStatus(rank, "exited", step, recorded, f"exit code {code} without a Python exception",
-                      _tail(log, 40))
+                      _tail(log, 40), seen_at)
 
 
 def _is_consequence(status: RankStatus) -> bool:
@@ -155,7 +187,7 @@ def dump_is_whole(text: str, at_last_look: str | None) -> bool:
 
 def _dump_stacks(procs: list[Any], ranks: list[int], run_dir: Path) -> dict[int, str]:
     """Ask each rank for its Python stacks (faulthandler writes them to the rank's log); return the new text."""
-    sizes = {r: _size(run_dir / f"rank{r}.log") for r in ranks}
+    sizes = {r: _size(RunDir(run_dir).log(r)) for r in ranks}
     for r in ranks:
         try:
             os.kill(procs[r].pid, signal.SIGUSR1)
@@ -166,13 +198,13 @@ def _dump_stacks(procs: list[Any], ranks: list[int], run_dir: Path) -> dict[int,
     seen: dict[int, str] = {}
     while time.monotonic() < deadline and len(dumps) < len(ranks):
         for r in ranks:
-            text = _read(run_dir / f"rank{r}.log")[sizes[r]:]
+            text = _read(RunDir(run_dir).log(r))[sizes[r]:]
             if dump_is_whole(text, seen.get(r)):
                 dumps[r] = text
             seen[r] = text
         time.sleep(0.02)
     for r in ranks:
-        dumps.setdefault(r, _read(run_dir / f"rank{r}.log")[sizes[r]:])
+        dumps.setdefault(r, _read(RunDir(run_dir).log(r))[sizes[r]:])
     return dumps
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..records import Run
+from ..rundir import RunDir
 
 
 class LaunchError(RuntimeError):
@@ -36,18 +37,19 @@ class RankStatus:
     detail: str = ""           # exception type and message, signal name, exit code, or where it hung
     traceback: str = ""        # Python traceback, faulthandler dump, or stack at the time of the hang
     time: float = field(default_factory=time.time)
-    because_of: int | None = None  # the rank whose failure made this one fail (a peer's lost connection)
+    because_of: int | None = None  # the rank whose failure made this one stop (a lost connection, or labkit's stop)
 
     def line(self, cause: "RankStatus") -> str:
         """One line for the failure report: the cause briefly (its traceback follows), the others by their part."""
         where = f"at step {self.step} (last recorded step {self.recorded})"
         if self is cause:
             return f"rank {self.rank}: {self.state} {where}  <- the cause"
-        if self.because_of is not None:
-            return (f"rank {self.rank}: stopped {where}, its peer rank {self.because_of} failed "
-                    f"(it saw: {_first_line(self.detail, 90)}; full text in rank{self.rank}.log)")
         if self.state == "stopped":
             return f"rank {self.rank}: stopped by labkit {where} after rank {cause.rank} failed"
+        if self.because_of is not None:
+            log = RunDir(".").log(self.rank).name   # the log's name, as RunDir spells it; the report ends with the dir
+            return (f"rank {self.rank}: stopped {where}, its peer rank {self.because_of} failed "
+                    f"(it saw: {_first_line(self.detail, 90)}; full text in {log})")
         return f"rank {self.rank}: {self.state} {where}" + (f": {_first_line(self.detail)}" if self.detail else "")
 
 
@@ -58,12 +60,26 @@ class RankFailure(RuntimeError):
         self.rank, self.step, self.reason = cause.rank, cause.step, cause.state
         self.detail, self.traceback, self.statuses, self.run_dir = cause.detail, cause.traceback, statuses, run_dir
         self.last_recorded_step = cause.recorded
+        self.noticed_at: float | None = None  # time.time() when the watchdog saw the failure (before its report)
         lines = [f"rank {cause.rank} {_verb(cause)} at step {cause.step}: {cause.detail}"]
         lines += ["  " + s.line(cause) for s in statuses]
         if cause.traceback:
             lines += [f"--- rank {cause.rank} traceback ---", cause.traceback.rstrip()]
         lines.append(f"records and logs: {run_dir}")
         super().__init__("\n".join(lines))
+
+    def noticed(self, at: float) -> "RankFailure":
+        """Set when the watchdog saw the failure (a rank's exit, or the timeout passing), before it waited for the
+        peers and read the stacks that its report needs:  failure.noticed_at - started -> seconds to notice."""
+        self.noticed_at = at
+        return self
+
+    @property
+    def consequences(self) -> list[int]:
+        """The ranks the report lists as failing because of the cause: a peer that saw its connection to the cause
+        break (because_of), or one labkit stopped after the cause failed:  failure.consequences -> [0]."""
+        return [s.rank for s in self.statuses
+                if s.rank != self.rank and (s.because_of == self.rank or s.state == "stopped")]
 
     @property
     def run(self) -> Run:

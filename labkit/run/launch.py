@@ -10,9 +10,13 @@ Returns a `Run` once every rank has finished. If a rank raises, dies from a sign
 progress (no ctx.record / ctx.heartbeat) for `timeout` seconds, every rank is stopped and `RankFailure` is raised
 naming the rank, its step and its traceback (or signal, or stack at the time of the hang). No process is left.
 
-Fork vs spawn: forking starts a rank in ~0.1 s but is unsafe once CUDA is initialised in this process; spawn is
-safe but re-imports torch in each rank (seconds). start_method="auto" forks unless CUDA is initialised, and then
-spawns, saying which call initialised CUDA.
+Where ranks come from: forking this process starts a rank in ~0.1 s, but is unsafe once CUDA is initialised here,
+and a fresh process's first DDP step first imports torch._dynamo (seconds); spawn is safe but re-imports torch in
+each rank (seconds, at every launch). labkit's warm process (run/warm.py), forked from this one when labkit was
+imported in a notebook, has imported what ranks need and never touches CUDA. start_method="auto" forks ranks from
+it when CUDA is initialised here (saying which call did it), and when this process has not imported what ranks
+need yet and nothing they run was patched here since (run/patches.py); otherwise it forks them from this process.
+"fork", "spawn" and "warm" ask for one way.
 
 To stop a run from elsewhere (a Stop button, another thread), pass `stop=event.is_set` for a threading.Event:
 the watchdog asks it at every look, and once it says True every rank is stopped as on a failure; launch then
@@ -24,36 +28,63 @@ import contextlib
 import importlib
 import multiprocessing as mp
 import os
-import re
-import secrets
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import torch
-
 from ..config import RunConfig
 from ..records import Run, write_meta, write_outcome, write_tensorboard
+from ..rundir import RunDir, runs_root as resolve_runs_root
 from ..training.loop import train
 from ..training.tasks import preload
-from ..view.live import LiveView
-from . import prewarm, restarts
+from . import prewarm, restarts, warm
 from .cuda_guard import cuda_init_culprit
-from .diagnose import classify_exits, diagnose_hang
-from .failure import LaunchError, RankFailure
-from .rank import DONE, FINISHING, RUNNING, Heartbeats, RankSpec, nccl_problem, rank_main, spawn_main
+from .diagnose import await_exits, classify_exits, diagnose_hang
+from .failure import LaunchError
+from .rank import DONE, FINISHING, RUNNING, Heartbeats, RankSpec, rank_main, spawn_main
+from .session import nccl_problem
 from .reaping import exit_code, reap, signal_groups
 
 POLL_S = 0.01          # how often the watchdog looks at the ranks
 GRACE_S = 1.0          # after SIGTERM, how long a rank gets before SIGKILL
+LAUNCH_TIMEOUT_S = 60.0  # default: seconds without a recorded step or heartbeat before a rank counts as hung
+STARTUP_TIMEOUT_S = 60.0  # default: seconds a rank may take to start and join the process group
+PG_TIMEOUT_MARGIN_S = 60.0  # the process group's own timeout is the watchdog's plus this: the watchdog reports first
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything one launch decided before any rank started; every attempt (restart) runs the same plan."""
+
+    fn: Callable[..., Any]
+    config: RunConfig | None
+    world_size: int
+    run_dir: Path
+    method: str
+    """"fork", "spawn" or "warm" (choose_start_method, then _prepare_warm)."""
+    timeout: float
+    """Seconds a running rank may go without progress."""
+    startup_timeout: float
+    """Seconds a rank may take before it is running; never shorter than `timeout`."""
+    env: dict[int, dict[str, str]]
+    show: dict[str, Any]
+    """What the notebook sees: echo, progress, live, compare_with (LiveView's options)."""
+    stop: Callable[[], bool]
+    warm: Any = None
+    """The warm process's pickled launch (warm.Prepared) when method is "warm"."""
+
+    @property
+    def pg_timeout_s(self) -> float:
+        return self.timeout + PG_TIMEOUT_MARGIN_S
 
 
 def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = None, config: RunConfig | None = None,
-           timeout: float = 60.0, startup_timeout: float = 60.0, start_method: str = "auto", name: str | None = None,
-           runs_root: str | Path | None = None, echo: bool = True, progress: bool = True,
-           live: bool = False, compare_with: tuple[Run, ...] | list[Run] = (),
+           timeout: float = LAUNCH_TIMEOUT_S, startup_timeout: float = STARTUP_TIMEOUT_S, start_method: str = "auto",
+           name: str | None = None, runs_root: str | Path | None = None, run_dir: str | Path | None = None,
+           echo: bool = True, progress: bool = True, live: bool = False, compare_with: tuple[Run, ...] | list[Run] = (),
            env: dict[int, dict[str, str]] | None = None, resume_from: Any = None, max_restarts: int = 0,
            stop: Callable[[], bool] | None = None) -> Run:
     """Run `target` on `world_size` ranks and return the Run; raise RankFailure if any rank fails.
@@ -61,6 +92,8 @@ def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = N
     target: a RunConfig (runs labkit.train), or a function fn(ctx) (labkit.train, or one from a notebook cell).
     timeout: seconds a rank may go without recording a step or calling ctx.heartbeat() before it is declared hung.
     startup_timeout: seconds a rank may take to start and join the process group (spawn re-imports torch: seconds).
+    runs_root: where the run's new directory is made ($LABKIT_RUNS, else ./runs). run_dir: the run directory itself
+        instead (created; refused if it already holds another run's records).
     echo: print each rank's output, prefixed with its rank. progress/live: a progress line / live figure in Jupyter.
     env: extra environment variables per rank, {rank: {"NAME": "value"}}, as if that rank had been started with them.
     resume_from: a Run or a directory with checkpoints (RunConfig.checkpoint_every): this new run starts from its
@@ -79,23 +112,29 @@ def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = N
         raise LaunchError(f"max_restarts = {max_restarts!r}: pass how many times to restart after a failure, >= 0")
     source = restarts.source_checkpoint(resume_from) if resume_from is not None else None
     method = choose_start_method(start_method)
-    run_dir = _new_run_dir(Path(runs_root or os.environ.get("LABKIT_RUNS", "runs")), name or _label(fn, config))
+    method, prepared, note = _prepare_warm(fn, config, method, start_method, stop)
+    label = name or _label(fn, config)
+    if run_dir is not None and runs_root is not None:
+        raise LaunchError(f"runs_root = {str(runs_root)!r} and run_dir = {str(run_dir)!r}: pass one (run_dir is the "
+                          "run's directory itself, runs_root where a new one is made)")
+    run_dir = RunDir.claim(run_dir) if run_dir is not None else RunDir.new(resolve_runs_root(runs_root), label)
     if config is not None:
-        config.save(run_dir / "config.json")
+        config.save(run_dir.config)
     if source is not None:
         restarts.adopt(source, run_dir)
     _warm_imports(config, method)
-    mpctx = mp.get_context(method)
-    write_meta(run_dir, launched_at=called_at, name=name or _label(fn, config), world_size=world_size,
-               start_method=method, function=getattr(fn, "__qualname__", repr(fn)), timeout_s=timeout,
-               pid=os.getpid(), resumed_from=str(source) if source else None, max_restarts=max_restarts)
-    show = dict(echo=echo, progress=progress, live=live, compare_with=tuple(compare_with))
+    write_meta(run_dir, launched_at=called_at, name=label, world_size=world_size, start_method=method,
+               function=getattr(fn, "__qualname__", repr(fn)), timeout_s=timeout, pid=os.getpid(),
+               resumed_from=str(source) if source else None, max_restarts=max_restarts, start_note=note)
+    plan = LaunchPlan(fn=fn, config=config, world_size=world_size, run_dir=run_dir.path, method=method,
+                      timeout=timeout, startup_timeout=max(timeout, startup_timeout), env=env or {},
+                      show=dict(echo=echo, progress=progress, live=live, compare_with=tuple(compare_with)),
+                      stop=stop or _never, warm=prepared)
     failure, finished, stopped, attempt = None, False, False, 0
     try:
         while True:
-            ranks_env = restarts.attempt_env(env or {}, world_size, attempt if max_restarts else None)
-            failure = _attempt(fn, config, world_size, run_dir, method, mpctx, timeout, startup_timeout, ranks_env,
-                               attempt, show, stop or _never)
+            failure = _attempt(plan, attempt, restarts.attempt_env(plan.env, world_size,
+                                                                   attempt if max_restarts else None))
             stopped = failure is STOPPED
             failure = None if stopped else failure
             restarts.note_attempt(run_dir, attempt, ended_at=time.time(),
@@ -113,25 +152,23 @@ def launch(target: Callable[..., Any] | RunConfig, *, world_size: int | None = N
             write_tensorboard(run_dir)  # after the ranks, so it costs them nothing; failed runs get events too
     if failure is not None:
         raise failure
-    return Run(run_dir)
+    return Run(run_dir.path)
 
 
-def _attempt(fn: Callable[..., Any], config: RunConfig | None, world_size: int, run_dir: Path, method: str,
-             mpctx: Any, timeout: float, startup_timeout: float, env: dict[int, dict[str, str]], attempt: int,
-             show: dict[str, Any], stop: Callable[[], bool]) -> Any:
-    """Start every rank, watch them until they all finish (None), one fails (its RankFailure) or `stop` says so
-    (STOPPED); then stop them all."""
-    beats, port = Heartbeats.create(mpctx, world_size), mpctx.RawValue("i", 0)
-    procs = _start(fn, config, world_size, run_dir, method, mpctx, beats, port, timeout, env)
-    restarts.note_attempt(run_dir, attempt, pids=[p.pid for p in procs], started_at=time.time())
-    view = LiveView(run_dir, world_size, config.steps if config else None, **show)
+def _attempt(plan: LaunchPlan, attempt: int, env: dict[int, dict[str, str]]) -> Any:
+    """Start every rank, watch them until they all finish (None), one fails (its RankFailure) or `plan.stop` says
+    so (STOPPED); then stop them all."""
+    from ..view.live import LiveView  # here: matplotlib, which `import labkit` leaves out, comes with the first launch
+    procs, beats = _start(plan, env)
+    restarts.note_attempt(RunDir(plan.run_dir), attempt, pids=[p.pid for p in procs], started_at=time.time())
+    view = LiveView(plan.run_dir, plan.world_size, plan.config.steps if plan.config else None, **plan.show)
     failure, finished = None, False
     try:
-        failure = _watch(procs, beats, run_dir, timeout, max(timeout, startup_timeout), view, stop)
+        failure = _watch(procs, beats, plan, view)
         finished = failure is None
     finally:
         _stop(procs)
-        view.close(ok=finished, recorded=[beats.read(r)[3] for r in range(world_size)])  # the last steps too
+        view.close(ok=finished, recorded=[beats.read(r)[3] for r in range(plan.world_size)])  # the last steps too
     return failure
 
 
@@ -156,8 +193,8 @@ def _check_arguments(world_size: int | None, config: RunConfig | None, timeout: 
             raise LaunchError(f"RunConfig.backend = 'nccl': {nccl_problem(world_size)}")  # before any rank starts
     if not isinstance(timeout, (int, float)) or not timeout > 0:
         raise LaunchError(f"timeout = {timeout!r}: pass the seconds a rank may go without progress, > 0")
-    if start_method not in ("auto", "fork", "spawn"):
-        raise LaunchError(f"start_method = {start_method!r}: must be auto, fork or spawn")
+    if start_method not in ("auto", "fork", "spawn", "warm"):
+        raise LaunchError(f"start_method = {start_method!r}: must be auto, fork, spawn or warm")
     for rank, variables in env.items():
         if not (isinstance(rank, int) and 0 <= rank < world_size and isinstance(variables, dict)
                 and all(isinstance(k, str) and isinstance(v, str) for k, v in variables.items())):
@@ -166,17 +203,45 @@ def _check_arguments(world_size: int | None, config: RunConfig | None, timeout: 
 
 
 def choose_start_method(requested: str) -> str:
-    """fork when it is safe (CUDA not initialised here), else spawn; an explicit fork with CUDA initialised fails."""
+    """"auto": "warm" when CUDA is initialised here (else "spawn", where LABKIT_PREWARM=0), or when a warm process
+    runs and this process has not imported what ranks need (launch() then checks that it may stand in: _prepare_warm);
+    else "fork". An explicit fork with CUDA initialised fails."""
     culprit = cuda_init_culprit()
     if culprit is None:
-        return "fork" if requested == "auto" else requested
+        if requested != "auto":
+            return requested
+        return "warm" if warm.current() is not None and not prewarm.is_warm() else "fork"
     if requested == "fork":
         raise LaunchError("cannot fork ranks: CUDA is already initialised in this process, and a forked child "
-                          f"cannot use it.\n{culprit}\nUse start_method='spawn' (or 'auto'), or restart the kernel "
-                          "and launch before anything touches CUDA.")
+                          f"cannot use it.\n{culprit}\nUse start_method='warm' (or 'auto', or 'spawn'), or restart the "
+                          "kernel and launch before anything touches CUDA.")
     if requested == "auto":
-        print(f"labkit: CUDA is initialised in this process, so ranks are spawned (slower to start).\n{culprit}")
-    return "spawn"
+        if prewarm.wanted() is False:
+            print(f"labkit: CUDA is initialised in this process, so ranks are spawned (slower to start).\n{culprit}")
+            return "spawn"
+        print("labkit: CUDA is initialised in this process, so ranks are forked from labkit's warm process, which "
+              f"never touches CUDA.\n{culprit}")
+        return "warm"
+    return requested
+
+
+def _prepare_warm(fn: Callable[..., Any], config: RunConfig | None, method: str, requested: str,
+                  stop: Callable[[], bool] | None) -> tuple[str, Any, str | None]:
+    """(method, the warm launch or None, why the warm process was not used). "auto" without CUDA falls back to a
+    fork from here when the warm process may not stand in; with CUDA, to spawn when it is unavailable."""
+    if method != "warm":
+        return method, None, None
+    cuda = cuda_init_culprit() is not None
+    prepared = warm.prepare(fn, config, check=requested == "auto" and not cuda, stop=stop)
+    if not isinstance(prepared, str):
+        return "warm", prepared, None
+    if not cuda and requested == "auto":
+        return "fork", None, prepared
+    if prepared.startswith("the function does not pickle"):
+        raise LaunchError(f"cannot start the ranks from labkit's warm process: {prepared}. Define the function so "
+                          "that it pickles (no open files, locks or generators in what it refers to)")
+    print(f"labkit: {prepared}; ranks are spawned instead")
+    return "spawn", None, prepared
 
 
 # --- starting ------------------------------------------------------------------------------------------------
@@ -185,11 +250,11 @@ _warmed: set[str] = set()
 
 
 def _warm_imports(config: RunConfig | None, method: str) -> None:
-    """Import once, here, what every forked rank would otherwise import for itself (DDP pulls in torch._dynamo);
-    in a notebook, `import labkit` did it already (prewarm.py)."""
+    """Import once, here, what every rank forked from here would otherwise import for itself (DDP pulls in
+    torch._dynamo). Ranks forked from the warm process find it done there (prewarm.py)."""
     if method != "fork":
         return
-    for module in prewarm.MODULES[:2]:  # transformers only when the task needs it (preload below)
+    for module in prewarm.RANK_MODULES:  # transformers only when the task needs it (preload below)
         if module not in _warmed:
             importlib.import_module(module)
             _warmed.add(module)
@@ -197,25 +262,34 @@ def _warm_imports(config: RunConfig | None, method: str) -> None:
         preload(config)
 
 
-def _start(fn: Callable[..., Any], config: RunConfig | None, world_size: int, run_dir: Path, method: str,
-           mpctx: Any, beats: Heartbeats, port: Any, timeout: float, env: dict[int, dict[str, str]]) -> list[Any]:
-    # The process-group timeout is a backstop, longer than the watchdog's, so the watchdog reports first.
-    specs = [RankSpec(rank=r, world_size=world_size, run_dir=run_dir, backend=config.backend if config else "auto",
-                      pg_timeout_s=timeout + 60, config=config,
-                      env=tuple(sorted(env.get(r, {}).items())), launcher_pid=os.getpid())
-             for r in range(world_size)]
+def _start(plan: LaunchPlan, env: dict[int, dict[str, str]]) -> tuple[list[Any], Heartbeats]:
+    specs = [RankSpec(rank=r, world_size=plan.world_size, run_dir=plan.run_dir,
+                      backend=plan.config.backend if plan.config else "auto", pg_timeout_s=plan.pg_timeout_s,
+                      config=plan.config, env=tuple(sorted(env.get(r, {}).items())), launcher_pid=os.getpid())
+             for r in range(plan.world_size)]
+    method = plan.method
+    if method == "warm":
+        try:
+            procs, beats, _ = plan.warm.start(specs, plan.stop)
+            return procs, beats
+        except warm.WarmUnavailable as exc:
+            method = "spawn" if cuda_init_culprit() else "fork"
+            print(f"labkit: {exc}; ranks are {method}ed from this process instead")
+            _warm_imports(plan.config, method)
+    mpctx = mp.get_context(method)
+    beats, port = Heartbeats.create(mpctx, plan.world_size), mpctx.RawValue("i", 0)
     if method == "fork":
-        procs = [mpctx.Process(target=rank_main, args=(fn, s, beats, port), daemon=False) for s in specs]
+        procs = [mpctx.Process(target=rank_main, args=(plan.fn, s, beats, port), daemon=False) for s in specs]
         for p in procs:
             p.start()
-        return procs
+        return procs, beats
     import cloudpickle
-    payload = cloudpickle.dumps(fn)
+    payload = cloudpickle.dumps(plan.fn)
     procs = [mpctx.Process(target=spawn_main, args=(payload, s, beats, port), daemon=False) for s in specs]
     with _main_module_hidden():
         for p in procs:
             p.start()
-    return procs
+    return procs, beats
 
 
 @contextlib.contextmanager
@@ -235,13 +309,6 @@ def _main_module_hidden() -> Iterator[None]:
             main.__dict__.pop("__spec__", None)
 
 
-def _new_run_dir(root: Path, label: str) -> Path:
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", label).strip("-")[:60] or "run"
-    path = root / f"{time.strftime('%Y%m%d-%H%M%S')}-{slug}-{secrets.token_hex(2)}"
-    path.mkdir(parents=True)
-    return path
-
-
 def _label(fn: Callable[..., Any], config: RunConfig | None) -> str:
     return config.label if config is not None else getattr(fn, "__name__", "fn")
 
@@ -255,27 +322,29 @@ def _never() -> bool:
     return False
 
 
-def _watch(procs: list[Any], beats: Heartbeats, run_dir: Path, timeout: float, startup_timeout: float,
-           view: Any, stop: Callable[[], bool]) -> Any:
-    """Poll until every rank has exited cleanly (None), one has failed (the RankFailure to raise), or `stop`
+def _watch(procs: list[Any], beats: Heartbeats, plan: LaunchPlan, view: Any) -> Any:
+    """Poll until every rank has exited cleanly (None), one has failed (the RankFailure to raise), or `plan.stop`
     says so (STOPPED)."""
     while True:
         view.update([beats.read(r)[3] for r in range(len(procs))])
         codes = [exit_code(p) for p in procs]
         failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
-            time.sleep(0.05)  # let ranks that fail as a consequence finish writing their error files
-            return classify_exits(procs, beats, run_dir, failed)
+            # Peers of a dead rank fail a moment later, and say why: wait for them (diagnose.py) before reading.
+            noticed = time.time()
+            exited_at = await_exits(procs, dict.fromkeys(failed, noticed))
+            return classify_exits(procs, beats, plan.run_dir, failed, exited_at).noticed(noticed)
         if all(c == 0 for c in codes):
             return None
         alive = [r for r, c in enumerate(codes) if c is None]
-        stale = [r for r in alive if _is_stale(beats, r, timeout, startup_timeout)]
-        if not stale and _all_stuck_finishing(beats, alive, timeout):
+        stale = [r for r in alive if _is_stale(beats, r, plan.timeout, plan.startup_timeout)]
+        if not stale and _all_stuck_finishing(beats, alive, plan.timeout):
             stale = alive
         if stale:
+            noticed = time.time()
             view.mute()  # the stack dumps that follow go into the failure, not the notebook's output
-            return diagnose_hang(procs, beats, run_dir, timeout)
-        if stop():
+            return diagnose_hang(procs, beats, plan.run_dir, plan.timeout).noticed(noticed)
+        if plan.stop():
             return STOPPED
         time.sleep(POLL_S)
 

@@ -1,29 +1,17 @@
-"""Inside one rank: the context a launched function receives, and the set-up and tear-down around it.
-
-A launched function takes one argument, the RankContext:
-
-    def worker(ctx):                       # may be defined in a notebook cell
-        model = DDP(torch.nn.Linear(4, 1))
-        for step in range(10):
-            ...
-            ctx.record(step, loss=loss.item())   # one JSON line in runs/<id>/rank<r>.jsonl, and a heartbeat
-        return model.weight.sum().item()         # comes back as run.result(rank)
-
-    labkit.launch(worker, world_size=2)
-
-The launcher's watchdog counts a rank as making progress while it calls `ctx.record` or `ctx.heartbeat`;
-a long stretch without either (longer than launch's `timeout`) is reported as a hang.
+"""Inside one rank that labkit's launcher started (fork or spawn): the heartbeats its watchdog reads, and the
+set-up and tear-down around the launched function, on top of the rank session (session.py) that torchrun's ranks
+share. RankContext, what the function receives, is session.py's.
 """
 from __future__ import annotations
 
+import ctypes
 import faulthandler
-import json
+import mmap
 import os
 import signal
 import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -31,7 +19,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..records import FAILURE_MARKER, RankRecorder
+from ..config import RunConfig
+from ..rundir import RunDir
+from .session import JoinSpec, RankContext, join, leave, write_rank_error
 
 LAUNCHER_POLL_S = 0.1  # how often a rank checks that its launcher is still alive
 
@@ -53,6 +43,27 @@ class Heartbeats:
         for rank in range(world_size):
             array[rank * _FIELDS:(rank + 1) * _FIELDS] = [time.time(), -1.0, STARTING, -1.0]
         return cls(array, world_size)
+
+    @classmethod
+    def shared(cls, world_size: int, fd: int | None = None) -> tuple["Heartbeats", Any, int]:
+        """The table and the rendezvous port in a memory file that a process not forked from this one can map
+        (the warm process's ranks): (heartbeats, port, fd); pass `fd` to map an existing one (inside a rank)."""
+        size = world_size * _FIELDS * ctypes.sizeof(ctypes.c_double) + ctypes.sizeof(ctypes.c_int)
+        if fd is None:
+            fd = os.memfd_create("labkit-heartbeats")
+            os.ftruncate(fd, size)
+            created = True
+        else:
+            created = False
+        memory = mmap.mmap(fd, size)
+        array = (ctypes.c_double * (world_size * _FIELDS)).from_buffer(memory)
+        port = ctypes.c_int.from_buffer(memory, world_size * _FIELDS * ctypes.sizeof(ctypes.c_double))
+        beats = cls(array, world_size)
+        beats.memory = memory  # the arrays point into it: it must live as long as they do
+        if created:
+            for rank in range(world_size):
+                array[rank * _FIELDS:(rank + 1) * _FIELDS] = [time.time(), -1.0, STARTING, -1.0]
+        return beats, port, fd
 
     def beat(self, rank: int, step: int | None = None, state: float | None = None,
              recorded: int | None = None) -> None:
@@ -79,81 +90,16 @@ class RankSpec:
     run_dir: Path
     backend: str = "auto"
     pg_timeout_s: float = 120.0
-    config: Any = None  # a RunConfig, or None for a plain function
+    config: RunConfig | None = None  # None for a plain function
     env: tuple[tuple[str, str], ...] = ()  # extra environment for this rank only (applied last: it wins)
     launcher_pid: int = 0  # the process that started the ranks: when it is gone, the rank takes its group down
-
-
-@dataclass
-class RankContext:
-    """What a launched function gets: who it is, where to write, and how to report progress."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    backend: str
-    device: torch.device
-    run_dir: Path
-    config: Any
-    recorder: Any
-    heartbeats: Heartbeats | None = None
-    step: int = -1
-    """The step this rank is working on (set by heartbeat/record); failures are reported against it."""
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def heartbeat(self, step: int | None = None) -> None:
-        """Tell the watchdog this rank is alive (and, optionally, which step it has started)."""
-        if step is not None:
-            self.step = step
-        if self.heartbeats is not None:
-            self.heartbeats.beat(self.rank, step=step)
-
-    def record(self, step: int, **fields: Any) -> None:
-        """Write one record for `step` (rank and wall time are added) and beat the heartbeat."""
-        self.step = step
-        self.recorder.write({"step": step, "time": time.time(), **fields})
-        if self.heartbeats is not None:
-            self.heartbeats.beat(self.rank, step=step, recorded=step)
-
-
-def nccl_problem(ranks_here: int) -> str | None:
-    """Why `ranks_here` ranks on this machine cannot use NCCL (one CUDA device each), or None when they can.
-    Asks the driver for the device count only: no CUDA context is created, so forking stays safe."""
-    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if devices >= ranks_here:
-        return None
-    return (f"backend='nccl' needs {ranks_here} CUDA GPUs here, one per rank on this machine; {devices} visible "
-            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). Use backend='gloo' or "
-            "'auto' (gloo runs on the CPU), or fewer ranks per machine.")
-
-
-def resolve_backend(requested: str, world_size: int) -> str:
-    """"auto" -> nccl when every rank can have its own CUDA device, else gloo; explicit names pass through, but
-    nccl only when each of the `world_size` ranks on this machine has a CUDA device of its own (NCCL refuses two
-    ranks on one GPU)."""
-    import torch.distributed as dist
-    problem = nccl_problem(world_size) if requested == "nccl" else None
-    if problem:
-        raise ValueError(problem)
-    if requested != "auto":
-        return requested
-    cuda_ok = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
-    return "nccl" if cuda_ok and dist.is_nccl_available() else "gloo"
-
-
-def rank_device(backend: str, local_rank: int) -> torch.device:
-    """The device a rank computes on: its own GPU (cuda:<local rank>) under nccl, else the CPU."""
-    return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
 
 
 def rank_main(fn: Callable[[RankContext], Any], spec: RankSpec, beats: Heartbeats, port: Any) -> None:
     """Entry point of a launched rank (fork): set up, run fn(ctx), record any failure, and exit."""
     _detach_from_parent(spec.launcher_pid)
     torch.set_num_threads(1)  # one thread per rank; also avoids the fork-after-threads hang
-    _redirect_output(spec.run_dir / f"rank{spec.rank}.log")
+    _redirect_output(RunDir(spec.run_dir).log(spec.rank))
     faulthandler.enable(file=sys.stderr, all_threads=True)  # a segfault leaves a Python traceback in the log
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # the watchdog asks for stacks
     beats.beat(spec.rank, state=INITIALISING)
@@ -162,16 +108,15 @@ def rank_main(fn: Callable[[RankContext], Any], spec: RankSpec, beats: Heartbeat
         store, ctx = _init(spec, beats, port)
         result = fn(ctx)
         if result is not None:
-            torch.save(result, spec.run_dir / f"result{spec.rank}.pt")
+            torch.save(result, RunDir(spec.run_dir).result(spec.rank))
         beats.beat(spec.rank, state=FINISHING)
         _finish(store, spec)
         beats.beat(spec.rank, state=DONE)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
-        _write_error(spec, ctx.step if ctx else -1, exc)
+        write_rank_error(spec.run_dir, spec.rank, ctx.step if ctx else -1, exc)
         code = 1
     finally:
-        if ctx is not None:
-            ctx.recorder.close()
+        leave(ctx, destroy_group=False)  # a clean finish destroyed it already (_finish); a failure exits at once
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(code)  # skip the parent's atexit handlers (a forked Jupyter kernel has many)
@@ -184,18 +129,12 @@ def spawn_main(payload: bytes, spec: RankSpec, beats: Heartbeats, port: Any) -> 
 
 
 def _init(spec: RankSpec, beats: Heartbeats, port: Any) -> tuple[Any, RankContext]:
-    import torch.distributed as dist
-    backend = resolve_backend(spec.backend, spec.world_size)
-    timeout = timedelta(seconds=spec.pg_timeout_s)
-    store = _rendezvous(spec, port, timeout)
+    store = _rendezvous(spec, port, timedelta(seconds=spec.pg_timeout_s))
     _set_rank_env(spec, port.value)
-    device = rank_device(backend, spec.rank)  # one machine: the local rank is the rank
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
-    recorder = RankRecorder(spec.run_dir, spec.rank)
-    ctx = RankContext(rank=spec.rank, world_size=spec.world_size, local_rank=spec.rank, backend=backend,
-                      device=device, run_dir=spec.run_dir, config=spec.config, recorder=recorder, heartbeats=beats)
+    # one machine: the local rank is the rank, and every rank is here
+    ctx = join(JoinSpec(rank=spec.rank, world_size=spec.world_size, local_rank=spec.rank, ranks_here=spec.world_size,
+                        backend=spec.backend, run_dir=spec.run_dir, config=spec.config, timeout_s=spec.pg_timeout_s),
+               store, heartbeats=beats)
     beats.beat(spec.rank, state=RUNNING)
     return store, ctx
 
@@ -225,7 +164,7 @@ def _finish(store: Any, spec: RankSpec) -> None:
         while store.add("labkit/finished", 0) < spec.world_size:
             time.sleep(0.002)
     if dist.is_initialized():
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # before the store's host leaves (leave() then has nothing to destroy)
 
 
 def _set_rank_env(spec: RankSpec, port: int) -> None:
@@ -262,11 +201,3 @@ def _redirect_output(path: Path) -> None:
     os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False, errors="replace")
     sys.stderr = open(2, "w", buffering=1, closefd=False, errors="replace")
-
-
-def _write_error(spec: RankSpec, step: int, exc: BaseException) -> None:
-    text = "".join(traceback.format_exception(exc))
-    sys.stderr.write(f"{FAILURE_MARKER} at step {step} ({type(exc).__name__}); the launcher reports the cause\n{text}")
-    error = {"rank": spec.rank, "step": step, "type": type(exc).__name__, "message": str(exc),
-             "traceback": text, "time": time.time()}
-    (spec.run_dir / f"rank{spec.rank}.error.json").write_text(json.dumps(error, indent=2))

@@ -9,6 +9,9 @@ started: DataLoader workers, a user's subprocess. A pid, and so a group id, stay
 after that the kernel may give it to a new process, which may lead a group of its own. So the launcher looks at
 exit codes without reaping (waitid with WNOWAIT leaves an exited rank a zombie that still holds its pid), signals
 the groups, and reaps only at the very end. Nothing is ever sent to a group whose leader has been reaped.
+
+Ranks forked by labkit's warm process (run/warm.py, WarmRank) are its children, not ours: it keeps them as zombies
+the same way and reports their exit codes, and reaps one only when asked (WarmRank.join), so the same holds.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ REAP_TIMEOUT_S = 5.0
 def exit_code(proc: Any) -> int | None:
     """A multiprocessing Process's exit code (negative: killed by that signal), or None while it runs; unlike
     `proc.exitcode`, looking does not reap it."""
+    if hasattr(proc, "exit_code"):  # a WarmRank: the warm process says
+        return proc.exit_code()
     popen = proc._popen
     if popen is None:
         return None
@@ -36,6 +41,8 @@ def exit_code(proc: Any) -> int | None:
 
 
 def is_reaped(proc: Any) -> bool:
+    if hasattr(proc, "is_reaped"):  # a WarmRank
+        return proc.is_reaped()
     return proc._popen is not None and proc._popen.returncode is not None
 
 

@@ -14,16 +14,14 @@ labkit's training loop resumes by itself from the newest complete checkpoint in 
 """
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
 
-from ..records import ATTEMPT_ENV, Run
-from ..training.checkpoint import CheckpointError, LATEST, checkpoints_dir, find, write_text
+from ..records import ATTEMPT_ENV, Run, read_meta, write_meta
+from ..rundir import RunDir
+from ..training.state.checkpoint import CheckpointError, LATEST, checkpoints_dir, find, write_text
 from .failure import LaunchError
-
-ASIDE = "attempts"
 
 
 def source_checkpoint(resume_from: Any) -> Path:
@@ -58,25 +56,24 @@ def attempt_env(env: dict[int, dict[str, str]], world_size: int, attempt: int | 
 
 def note_attempt(run_dir: Path, attempt: int, **fields: Any) -> None:
     """Add to (or update) meta.json's record of one attempt:  note_attempt(run_dir, 0, pids=[...])."""
-    path = Path(run_dir) / "meta.json"
-    meta = json.loads(path.read_text()) if path.exists() else {}
+    meta = read_meta(run_dir)
     attempts = meta.setdefault("attempts", [])
     row = next((a for a in attempts if a.get("attempt") == attempt), None)
     if row is None:
         row = {"attempt": attempt}
         attempts.append(row)
     row.update(fields)
-    path.write_text(json.dumps(meta, indent=2, default=str))
+    write_meta(run_dir, **meta)
 
 
 def set_aside(run_dir: Path, attempt: int, failure: BaseException) -> Path:
     """Move a failed attempt's logs and error files to attempts/<attempt>/, with its failure report."""
-    aside = Path(run_dir) / ASIDE / str(attempt)
+    run_dir = RunDir(run_dir)
+    aside = run_dir.attempt(attempt)
     aside.mkdir(parents=True, exist_ok=True)
-    for pattern in ("rank*.log", "rank*.error.json"):
-        for path in Path(run_dir).glob(pattern):
-            path.rename(aside / path.name)
-    (aside / "failure.txt").write_text(str(failure))
+    for path in list(run_dir.per_rank_files()):
+        path.rename(aside / path.name)
+    RunDir(aside).failure_report.write_text(str(failure))
     return aside
 
 

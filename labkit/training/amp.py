@@ -21,8 +21,9 @@ import torch
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """Mixed-precision context for fp16/bf16; nothing for fp32:  with autocast("bf16", torch.device("cpu")): ..."""
-    if precision == "fp32":
+    """Mixed-precision context for fp16/bf16; nothing for fp32:  with autocast("bf16", torch.device("cpu")): ...
+    Nothing for fp8 either: its layers quantise their own matmuls' inputs (training/fp8_layers.py), the rest is fp32."""
+    if precision in ("fp32", "fp8"):
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device_type=device.type, dtype=dtype)

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import time
 from functools import lru_cache
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
+
+from ..config import RunConfig
 
 UPSAMPLE = 32   # pixels per side of the working image (the stored digits are 8x8)
 # A 3x3 binomial blur: the per-pixel arithmetic that fills each sample's CPU budget.
@@ -177,7 +179,7 @@ class DigitsStream:
     After the last batch of the run (step config.steps - 1) it stops its workers.
     """
 
-    def __init__(self, config: Any, world_size: int, rank: int, images: torch.Tensor | None = None,
+    def __init__(self, config: RunConfig, world_size: int, rank: int, images: torch.Tensor | None = None,
                  labels: torch.Tensor | None = None):
         if images is None or labels is None:
             images, labels = digits_data()[:2]

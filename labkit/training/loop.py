@@ -17,12 +17,12 @@ Per step and rank it records (records.py has the file layout):
     loss_scale, skipped_step   what the loss was multiplied by before backward (GradScaler under fp16, else 1.0);
                 1 when the optimizer did not step (GradScaler found an inf/NaN gradient, or nan_policy "skip"/"stop"
                 held it back), counted by a hook (amp.py)
-    nonfinite_ranks   nan_policy "stop"/"skip": how many ranks' loss or gradients were not finite (stability.py)
+    nonfinite_ranks   nan_policy "stop"/"skip": how many ranks' loss or gradients were not finite (nonfinite.py)
     rss_mb      resident memory of the rank; peak_growth_mb its peak above the level before the first step
                 (RunConfig.memory_budget_mb turns it into an out-of-memory error); cuda_peak_mb on GPUs
     param_bytes, grad_bytes, optim_bytes, peak_param_bytes, act_bytes   memory this rank holds (held.py), on the
                 first strategies.COUNTED_STEPS steps; there, strategies other than "ddp" also count collectives by
-                kind (n_all_reduce, n_all_gather, ...), and leave allreduces / comm_bytes empty after (strategies.py)
+                kind (n_all_reduce, n_all_gather, ...), and leave allreduces / comm_bytes empty after (parallel/strategies.py)
     accuracy / eval_accuracy on tasks that have them; eval_loss, eval_loss_rank under schedule="plateau"
 """
 from __future__ import annotations
@@ -34,24 +34,27 @@ from typing import Any
 
 import torch
 
+from ..rundir import RunDir
 from .amp import StepCounter, autocast
-from .faults import corrupt_batch, inject, nan_factor
+from .inject import clock_ahead, corrupt_batch, inject, nan_factor
 from .plateau import Plateau
-from .resume import Recovery
-from .schedule import lr_for_config
+from .state.resume import Recovery
+from .lr import lr_for_config
 from .seeding import seed_everything, set_deterministic
-from .stability import NanGuard, NonFiniteLoss, optimizer_step
-from .strategies import distribute
+from .nonfinite import NanGuard, NonFiniteLoss, optimizer_step
+from .parallel.strategies import distribute
 from .tasks import Task, make_task
+from ..config import RunConfig
+from ..context import RankContext
 
-__all__ = ["train", "make_optimizer", "memory_fields", "NonFiniteLoss", "OutOfMemoryBudget"]
+__all__ = ["train", "memory_fields", "NonFiniteLoss", "OutOfMemoryBudget"]
 
 
 class OutOfMemoryBudget(MemoryError):
     """A step needed more memory than RunConfig.memory_budget_mb (or the GPU has): the per-rank batch is too big."""
 
 
-def train(ctx: Any, config: Any = None) -> None:
+def train(ctx: RankContext, config: RunConfig | None = None) -> None:
     """Train config.task on this rank, spread as config.strategy says (DDP by default), recording every step."""
     config = config or ctx.config
     if config is None:
@@ -62,8 +65,13 @@ def train(ctx: Any, config: Any = None) -> None:
     task = make_task(config, ctx.world_size)
     model = task.build_model().to(ctx.device)
     seed_everything(config.seed, rank=ctx.rank)  # from here on (dropout, augmentation): a stream per rank
-    placed = distribute(model, task, config, ctx, make_optimizer)  # RunConfig.strategy: DDP, ZeRO, FSDP, TP
+    placed = distribute(model, task, config, ctx)  # RunConfig.strategy: DDP, ZeRO, FSDP, TP
     ddp, optimizer, task = placed.model, placed.optimizer, placed.task
+    model = placed.owned if placed.owned is not None else model  # a pipeline rank trains its stages only
+    if config.precision == "fp8" or config.fp8_dispatch:  # switch layers (and the dispatch) in place, after DDP
+        from .fp8_layers import apply_fp8
+        apply_fp8(model, config)
+    forward_backward = placed.forward_backward or _forward_backward
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=config.precision == "fp16")
     taken = StepCounter(optimizer)
     guard = NanGuard(config.nan_policy, model, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device,
@@ -85,7 +93,7 @@ def train(ctx: Any, config: Any = None) -> None:
             loss_scale, steps_before = scaler.get_scale(), taken.steps
             guard.start_step()
             with _reported_as_out_of_memory(config, step):
-                loss, extras, t_data, t_fwd_bwd, samples = _forward_backward(ddp, task, ctx, config, scaler, step)
+                loss, extras, t_data, t_fwd_bwd, samples = forward_backward(ddp, task, ctx, config, scaler, step)
             t0 = time.perf_counter()
             bad = guard.agree(loss) if guard.agrees else []  # one small all-reduce: every rank decides alike
             norms = optimizer_step(model, optimizer, scaler, config.clip_norm, take=not bad)
@@ -99,7 +107,9 @@ def train(ctx: Any, config: Any = None) -> None:
             allreduces, comm_bytes = wire.take()
             memory = memory_fields(ctx.device, baseline)
             now = time.perf_counter()
-            ctx.record(step, loss=loss, lr=lr, **norms,
+            ahead = clock_ahead(config.faults, ctx.rank, step)  # a "clock" fault: this node's clock is off
+            clock = {"time": time.time() + ahead} if ahead else {}
+            ctx.record(step, loss=loss, lr=lr, **norms, **clock,
                        samples=placed.credit(samples), tokens=placed.credit(samples) * task.tokens_per_sample,
                        t_data=t_data, t_fwd_bwd=t_fwd_bwd, t_optim=t_optim, t_step=now - step_started,
                        allreduces=allreduces, comm_bytes=comm_bytes, loss_scale=loss_scale,
@@ -114,11 +124,12 @@ def train(ctx: Any, config: Any = None) -> None:
         return  # a peer raised the failure; the final parameters are not a finished run's
     guard.wait_for_peers()  # "alone": the end-of-training barrier the ranks still in their loop never reach
     if config.save_final:
-        (ctx.run_dir / "final").mkdir(exist_ok=True)
-        torch.save(placed.full_state_dict(model), ctx.run_dir / "final" / f"rank{ctx.rank}.pt")
+        run_dir = RunDir(ctx.run_dir)
+        run_dir.final.mkdir(exist_ok=True)
+        torch.save(placed.full_state_dict(model), run_dir.final_params(ctx.rank))
 
 
-def _forward_backward(ddp: Any, task: Task, ctx: Any, config: Any, scaler: Any,
+def _forward_backward(ddp: Any, task: Task, ctx: RankContext, config: RunConfig, scaler: Any,
                       step: int) -> tuple[float, dict, float, float, int]:
     """All micro-batches of one step; DDP all-reduces gradients only on the last one (no_sync before it).
     Returns the loss, the task's extras, data and forward/backward seconds, and the samples that went through."""
@@ -142,20 +153,20 @@ def _forward_backward(ddp: Any, task: Task, ctx: Any, config: Any, scaler: Any,
 
 
 
-def _budget_advice(config: Any, batch: int) -> str:
+def _budget_advice(config: RunConfig, batch: int) -> str:
     return (f"per-rank batch {batch} is too large for this budget: accumulate instead, e.g. "
             f"RunConfig(grad_accum={config.grad_accum * 2}) keeps global_batch={config.global_batch} with half the "
             "samples in memory at once (or use more ranks)")
 
 
-def _check_memory_budget(config: Any, growth_mb: float, step: int, batch: int) -> None:
+def _check_memory_budget(config: RunConfig, growth_mb: float, step: int, batch: int) -> None:
     if config.memory_budget_mb is not None and growth_mb > config.memory_budget_mb:
         raise OutOfMemoryBudget(f"step {step} needed {growth_mb:.0f} MB above the rank's starting memory; "
                                 f"memory_budget_mb = {config.memory_budget_mb:g}. " + _budget_advice(config, batch))
 
 
 @contextlib.contextmanager
-def _reported_as_out_of_memory(config: Any, step: int) -> Any:
+def _reported_as_out_of_memory(config: RunConfig, step: int) -> Any:
     """A real CUDA out-of-memory error, re-raised with the same advice as the CPU budget."""
     try:
         yield
@@ -163,15 +174,6 @@ def _reported_as_out_of_memory(config: Any, step: int) -> Any:
         batch = config.global_batch // (config.world_size * config.grad_accum)
         raise OutOfMemoryBudget(f"CUDA out of memory at step {step}: {str(exc).splitlines()[0]} "
                                 + _budget_advice(config, batch)) from exc
-
-
-def make_optimizer(config: Any, params: Any) -> torch.optim.Optimizer:
-    """The optimizer named by config.optimizer, at config.lr (the schedule changes it every step)."""
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
-    if config.optimizer == "adam":
-        return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
-    return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
 
 
 def memory_fields(device: torch.device, baseline: int = 0) -> dict[str, float]:

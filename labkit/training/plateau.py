@@ -14,11 +14,11 @@ averages their gradients. Run.lr_disagreement() names the first step where the r
 """
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..config import RunConfig
 from .tasks import Digits, Task, TinyLM, sample_sentences
 
 HELDOUT_SENTENCES = 64        # tinylm's held-out set, shared out over the ranks
@@ -46,7 +46,7 @@ def heldout_batch(task: Task, rank: int, world_size: int) -> tuple[torch.Tensor,
 class Plateau:
     """ReduceLROnPlateau on a stand-in optimizer whose one LR is the schedule's current peak."""
 
-    def __init__(self, config: Any, task: Task, *, rank: int, world_size: int, device: torch.device):
+    def __init__(self, config: RunConfig, task: Task, *, rank: int, world_size: int, device: torch.device):
         self.config, self.task, self.device = config, task, device
         self.inputs, self.targets = (t.to(device) for t in heldout_batch(task, rank, world_size))
         stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=config.lr)

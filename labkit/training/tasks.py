@@ -1,6 +1,6 @@
 """Built-in tasks: a model, a deterministic data stream, and a loss.
 
-    task = make_task(cfg)                  # cfg.task: "tinylm" or "digits"
+    task = make_task(cfg)                  # cfg.task: "tinylm", "digits" or "tinymoe" (moe_task.py)
     model = task.build_model()
     inputs, targets = task.batch(step=0, micro=0, rank=1)   # this rank's slice of the global batch
     loss, extras = task.loss(model, inputs, targets)
@@ -23,6 +23,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from .data import DigitsStream, digits_data, digits_indices, step_generator
+from .moe_task import TinyMoE
+from .taskbase import Task
+from ..config import RunConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub: the models are built from a config
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -32,36 +35,8 @@ LM_SIZES = {"tiny": (64, 2, 4), "small": (128, 4, 4), "base": (256, 6, 8)}  # wi
 MLP_WIDTH = {"tiny": 64, "small": 128, "base": 256}
 
 
-class Task:
-    """Shared slicing of the global batch; subclasses provide the data, the model and the loss."""
-
-    loss_floor: float | None = None
-    tokens_per_sample: int = 0
-
-    def __init__(self, config: Any, world_size: int | None = None):
-        self.config = config
-        self.world_size = world_size or config.world_size
-        self.batch_size = config.global_batch // (self.world_size * config.grad_accum)
-
-    def rows(self, micro: int, rank: int) -> slice:
-        start = (micro * self.world_size + rank) * self.batch_size
-        return slice(start, start + self.batch_size)
-
-    def build_model(self) -> nn.Module:
-        raise NotImplementedError
-
-    def batch(self, step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
-
-    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        raise NotImplementedError
-
-    def evaluate(self, model: nn.Module) -> dict[str, float]:
-        return {}
-
-
 class TinyLM(Task):
-    def __init__(self, config: Any, world_size: int | None = None):
+    def __init__(self, config: RunConfig, world_size: int | None = None):
         super().__init__(config, world_size)
         self.vocab, self.k, self.seq_len = config.vocab_size, config.branching, config.seq_len
         self.successors = successor_table(self.vocab, self.k)
@@ -71,6 +46,7 @@ class TinyLM(Task):
     def build_model(self) -> nn.Module:
         from transformers import GPT2Config, GPT2LMHeadModel
         width, layers, heads = LM_SIZES[self.config.model_size]
+        layers = self.config.layers or layers  # RunConfig.layers: deeper, for pipelines of stages
         cfg = GPT2Config(vocab_size=self.vocab, n_positions=self.seq_len, n_embd=width, n_layer=layers,
                          n_head=heads, resid_pdrop=self.config.dropout, embd_pdrop=self.config.dropout,
                          attn_pdrop=self.config.dropout,  # 0 unless asked for (RunConfig.dropout)
@@ -108,7 +84,7 @@ def sample_sentences(successors: torch.Tensor, total_rows: int, length: int, gen
 
 
 class Digits(Task):
-    def __init__(self, config: Any, world_size: int | None = None):
+    def __init__(self, config: RunConfig, world_size: int | None = None):
         super().__init__(config, world_size)
         self.x_train, self.y_train, self.x_test, self.y_test = digits_data()
         self._streams: dict[int, Any] = {}  # rank -> data.DigitsStream, made on first use (in the rank)
@@ -147,17 +123,19 @@ class Digits(Task):
         return {"eval_accuracy": (logits.argmax(-1) == self.y_test).float().mean().item()}
 
 
-TASKS = {"tinylm": TinyLM, "digits": Digits}
+TASKS = {"tinylm": TinyLM, "digits": Digits, "tinymoe": TinyMoE}
 
 
-def make_task(config: Any, world_size: int | None = None) -> Task:
+def make_task(config: RunConfig, world_size: int | None = None) -> Task:
     """The task named by config.task, sliced for `world_size` ranks (default: config.world_size)."""
     return TASKS[config.task](config, world_size)
 
 
-def preload(config: Any) -> None:
+def preload(config: RunConfig) -> None:
     """Import or load, in the launching process, what a task needs, so forked ranks start warm."""
     if config.task == "tinylm":
         from transformers import GPT2LMHeadModel  # noqa: F401 - import cost paid once, before forking
+    elif config.task == "tinymoe":
+        from transformers import DeepseekV3ForCausalLM  # noqa: F401
     elif config.task == "digits":
         digits_data()

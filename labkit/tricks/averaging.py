@@ -38,8 +38,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..records import Run, per_step
 from ..training.commhooks import count_collectives
-from ..training.loop import NonFiniteLoss, make_optimizer
-from ..training.schedule import lr_for_config
+from ..training.loop import NonFiniteLoss
+from ..training.optim import make_optimizer
+from ..training.lr import lr_for_config
 from ..training.seeding import seed_everything
 from ..training.tasks import make_task
 from ..view import COLORS, new_figure, shown

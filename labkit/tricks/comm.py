@@ -18,7 +18,6 @@ latency alpha:  t = 2(n-1)·alpha + 2(n-1)/n · S/B.  Its busbw tends to B for l
 from __future__ import annotations
 
 import functools
-import os
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -30,8 +29,9 @@ import torch.distributed as dist
 from matplotlib.figure import Figure
 
 from ..config import pick
+from ..measure.cores import usable_cores
 from ..run.launch import launch
-from ..run.rank import resolve_backend
+from ..run.session import resolve_backend
 from ..view import COLORS, new_figure, shown
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -124,12 +124,6 @@ def message_sizes(smallest: int = 4 * KiB, largest: int | None = None, factor: i
     while out[-1] * factor <= largest:
         out.append(out[-1] * factor)
     return out
-
-
-def usable_cores() -> int:
-    """CPU cores this process (and the ranks it forks) may run on: its affinity mask, which taskset, containers
-    and lessons narrow, so it can be fewer than os.cpu_count():  usable_cores() -> 2."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _check_world(world: int) -> int:

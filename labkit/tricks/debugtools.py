@@ -9,6 +9,7 @@
     with debugtools.SpyOnHang(after_s=1.5) as spy:  # py-spy dumps every rank once their records stop moving
         hangs.reproduce("loop")
     print(debugtools.trimmed(spy.dumps[1]))         # rank 1's stack, as py-spy saw it from outside
+    debugtools.collectives_figure({"order": records})   # ranks as rows, their collectives in order, where each stopped
 
 The flight recorder (torch's ring buffer of recent collectives, TORCH_FR_BUFFER_SIZE entries) records on gloo in
 torch 2.13 too: sequence number, op, tensor sizes and the Python stack of the call; on NCCL it adds start and
@@ -32,8 +33,11 @@ from typing import Any
 
 import pandas as pd
 import torch
+from matplotlib.figure import Figure
 
 from ..records import Run
+from ..view import COLORS, new_figure, shown
+from ..rundir import RunDir, rank_of, runs_root as resolve_runs_root
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -58,7 +62,7 @@ def flight_records(run: Run | str | Path) -> pd.DataFrame:
     done (completed and retired), line (the call outside torch that issued it)."""
     path = run.path if isinstance(run, Run) else Path(run)
     rows = []
-    for file in sorted(path.glob("rank*.fr.json")):
+    for file in RunDir(path).flight_records():
         rank = int(file.name[4:].split(".")[0])
         for e in json.loads(file.read_text())["entries"]:
             if e["is_p2p"]:
@@ -137,14 +141,16 @@ class SpyOnHang:
 
     def __init__(self, after_s: float = 1.5, *, native: bool = False, runs_root: str | Path | None = None):
         self.after_s, self.native = after_s, native
-        self.root = Path(runs_root or os.environ.get("LABKIT_RUNS", "runs"))
+        self.root = resolve_runs_root(runs_root)
         self.dumps: dict[int, str] = {}
         self.problem = "" if py_spy() else "py-spy is not installed (pip install py-spy)"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="labkit-py-spy", daemon=True)
 
     def __enter__(self) -> "SpyOnHang":
-        self._since = time.time()
+        # runs already here are not the next launch's, however recently written (a run that just ended in the
+        # cell before still has its pid files: dumping those would read processes that are gone)
+        self._before = set(self.root.glob("*"))
         if not self.problem:
             self._thread.start()
         return self
@@ -165,12 +171,12 @@ class SpyOnHang:
                 return
 
     def _pids(self) -> dict[int, int]:
-        runs = [d for d in self.root.glob("*") if d.is_dir() and d.stat().st_mtime >= self._since - 1]
+        runs = [d for d in self.root.glob("*") if d.is_dir() and d not in self._before]
         for run in sorted(runs, key=lambda d: d.stat().st_mtime, reverse=True):
-            files = list(run.glob("rank*.pid"))
+            files = RunDir(run).pidfiles()
             if files:
                 self._run = run
-                return {int(f.name[4:].split(".")[0]): int(f.read_text() or 0) for f in files}
+                return {rank_of(f): int(f.read_text() or 0) for f in files}
         return {}
 
     def _dump(self, rank: int, pid: int) -> None:
@@ -197,7 +203,7 @@ def trimmed(dump: str, width: int = 110) -> str:
 
 def _last_sign(run: Path, rank: int) -> float:
     """When rank last wrote anything labkit can see from outside: its records, else its pid file."""
-    times = [p.stat().st_mtime for p in (run / f"rank{rank}.jsonl", run / f"rank{rank}.pid") if p.exists()]
+    times = [p.stat().st_mtime for p in (RunDir(run).records(rank), RunDir(run).pidfile(rank)) if p.exists()]
     return max(times, default=time.time())
 
 
@@ -206,3 +212,52 @@ def _caller(frames: list[list[Any]]) -> str:
         if not str(filename).startswith(_TORCH_DIR):
             return f"{Path(filename).name}:{line} in {name}"
     return ""
+
+
+@shown
+def collectives_figure(records_by_kind: dict[str, pd.DataFrame], last: int = 6, title: str | None = None) -> Figure:
+    """One panel per hang: each rank a row, its collectives in order (the flight recorder's sequence numbers,
+    the last `last` up to the first disagreement), coloured by op; a hatched box is a collective the rank issued
+    and still waits in; where a rank issued nothing that its peers did, it stopped in its own code (a cross).
+    The odd ranks (first_divergence) have their row labels in red."""
+    panels = [(kind, r) for kind, r in records_by_kind.items() if not r.empty]
+    fig = new_figure(figsize=(4.6 * max(len(panels), 1), 0.9 + 0.55 * max(r["rank"].nunique() for _, r in panels)))
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    ops = sorted({op for _, r in panels for op in r["op"]})
+    color = {op: COLORS[i % len(COLORS)] for i, op in enumerate(ops)}
+    for ax, (kind, records) in zip(axes, panels):
+        divergence = first_divergence(records)
+        group = divergence.group if divergence else records["group"].value_counts().index[0]
+        mine = records[records["group"] == group]
+        end = int(divergence.seq) if divergence else int(mine["seq"].max())
+        ranks = sorted(records["rank"].unique())
+        shown_seqs = [s for s in sorted(mine["seq"].unique()) if end - last < s <= end]
+        for row, rank in enumerate(ranks):
+            own = mine[(mine["rank"] == rank)].set_index("seq")
+            for x, seq in enumerate(shown_seqs):
+                if seq not in own.index:
+                    if seq == end:  # its peers issued this one; it never did
+                        ax.plot(x, row, "x", color="black", markersize=14, markeredgewidth=2.5)
+                    continue
+                entry = own.loc[seq]
+                waiting = not bool(entry["done"])
+                ax.add_patch(_box(x, row, color[entry["op"]], hatch="///" if waiting else None,
+                                  edge="black" if waiting else "white"))
+                ax.text(x, row, entry["op"].replace("all", "all\n") if len(entry["op"]) > 8 else entry["op"],
+                        ha="center", va="center", fontsize=7)
+        odd = set(divergence.odd) if divergence else set()
+        ax.set(xlim=(-0.6, len(shown_seqs) - 0.4), ylim=(len(ranks) - 0.4, -0.6), title=kind, xlabel="collective #")
+        ax.set_xticks(range(len(shown_seqs)), [str(s) for s in shown_seqs])
+        ax.set_yticks(range(len(ranks)), [f"rank {r}" + ("  (odd one out)" if r in odd else "") for r in ranks])
+        for label, rank in zip(ax.get_yticklabels(), ranks):
+            label.set_color("red" if rank in odd else "black")
+        ax.tick_params(length=0)
+    fig.suptitle(title or "each rank's collectives in order (flight recorder); hatched: still waiting in it; "
+                 "x: never issued (stuck in its own code)", fontsize=9)
+    return fig
+
+
+def _box(x: float, y: float, color: str, hatch: str | None, edge: str) -> Any:
+    from matplotlib.patches import FancyBboxPatch
+    return FancyBboxPatch((x - 0.42, y - 0.32), 0.84, 0.64, boxstyle="round,pad=0.02", facecolor=color, alpha=0.55,
+                          hatch=hatch, edgecolor=edge, linewidth=1.2)

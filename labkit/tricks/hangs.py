@@ -7,6 +7,8 @@
     hangs.reproduce("order", fixed=True).finished       # True: the fix, and the run ends
     hangs.reproduce("lock", debug=hangs.Debug(barrier_s=1.0))   # rank 0's monitored_barrier names rank 1
     labkit.launch(functools.partial(hangs.ddp_under_debug, level="INFO", unused=True), world_size=2)
+    timed = hangs.timed(("lock", "order"), cores=2, debug=hangs.Debug(barrier_s=1.0))  # on pinned, metered cores
+    timed.outcomes["lock"].noticed, timed.others    # when labkit saw it fail; what other programs took meanwhile
 
 The kinds (KINDS): "rank0_only" a collective only rank 0 calls; "order" collectives in a different order on one
 rank; "shape" an all-reduce whose tensor is shorter on one rank; "loop" / "lock" a rank stuck in its own Python
@@ -33,8 +35,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..measure.cores import CpuMeter, pinned_to, wait_for_quiet
 from ..records import Run
 from ..run import RankFailure, launch
+from ..rundir import RunDir
 
 STEPS, AT = 6, 2          # steps per scenario, and the step at which it goes wrong
 GRADS = 1000              # elements in the stand-in for a gradient bucket
@@ -68,6 +72,9 @@ class Outcome:
     seconds: float
     failure: RankFailure | None
     run: Run = field(repr=False)
+    noticed: float | None = None
+    """Seconds from the launch to the moment labkit's watchdog saw the failure (a rank exiting with an error, or the
+    timeout passing); `seconds` adds what the report then takes (waiting for the peers, reading their stacks)."""
 
     @property
     def finished(self) -> bool:
@@ -83,13 +90,55 @@ def reproduce(kind: str, *, fixed: bool = False, debug: Debug = Debug(), world_s
     worker = _Scenario(KINDS[kind], fixed, debug)
     launch_kwargs.setdefault("echo", False)
     launch_kwargs.setdefault("progress", False)
-    started = time.monotonic()
+    started, wall = time.monotonic(), time.time()
     try:
         run = launch(worker, world_size=world_size, timeout=timeout, name=f"{kind}{'-fixed' * fixed}", env=env,
                      **launch_kwargs)
         return Outcome(kind, time.monotonic() - started, None, run)
     except RankFailure as failure:
-        return Outcome(kind, time.monotonic() - started, failure, failure.run)
+        noticed = failure.noticed_at - wall if failure.noticed_at is not None else None
+        return Outcome(kind, time.monotonic() - started, failure, failure.run, noticed)
+
+
+@dataclass
+class Timed:
+    """reproduce() of several kinds, each on pinned cores with a meter on them (what measure.gated judges a timing
+    claim by): the Outcome per kind, and the most cores other programs kept busy during any of them."""
+
+    outcomes: dict[str, Outcome]
+    others: float
+    settings: dict[str, Any] = field(repr=False)
+
+    def again(self) -> "Timed":
+        """The same reproductions, measured afresh (a claims gate calls it after a busy measurement)."""
+        return timed(**self.settings)
+
+    def wait_for_quiet(self, limit: float, timeout_s: float = 10.0) -> float:
+        return wait_for_quiet(self.settings["cores"], limit, timeout_s)
+
+
+def timed(kinds: tuple[str, ...], *, cores: int, **reproduce_kwargs: Any) -> Timed:
+    """reproduce(kind, **reproduce_kwargs) for each kind, pinned to `cores` cores and metered:
+    timed(("lock", "order"), cores=2, timeout=2.0, debug=Debug(barrier_s=1.0))."""
+    outcomes, others = {}, []
+    for kind in kinds:
+        with pinned_to(cores), CpuMeter() as meter:
+            start = time.time()
+            outcomes[kind] = reproduce(kind, **reproduce_kwargs)
+            end = time.time()
+        others.append(meter.cores_busy(start, end)[1])
+    return Timed(outcomes, max(others), dict(kinds=tuple(kinds), cores=cores, **reproduce_kwargs))
+
+
+def barrier_speaks_first(timed: Timed) -> None:
+    """The claim of lesson 12: with a monitored_barrier before each step's collectives, labkit sees the loop and
+    lock hangs fail (rank 0's barrier raises) sooner than its watchdog sees the order hang (nobody is missing from
+    a barrier there, so only the timeout ends it). Compares when each failure was noticed, not when its report
+    was done (the report then waits for the peers and reads their stacks, the same for both):
+    gated("12: ...", barrier_speaks_first, timed(("loop", "lock", "order"), cores=2, debug=Debug(barrier_s=1.0)))."""
+    noticed = {kind: out.noticed for kind, out in timed.outcomes.items()}
+    assert None not in noticed.values(), f"a run did not fail: {noticed}"
+    assert max(noticed["loop"], noticed["lock"]) < noticed["order"], noticed
 
 
 def bug_line(kind: str) -> str:
@@ -232,7 +281,7 @@ class _Scenario:
         self.__name__ = self.__qualname__ = fn.__name__
 
     def __call__(self, ctx: Any) -> None:
-        (ctx.run_dir / f"rank{ctx.rank}.pid").write_text(str(os.getpid()))  # for py-spy, from outside
+        RunDir(ctx.run_dir).pidfile(ctx.rank).write_text(str(os.getpid()))  # for py-spy, from outside
         group = None
         if self.debug.level != "OFF":
             dist.set_debug_level(getattr(dist.DebugLevel, self.debug.level))
@@ -249,7 +298,7 @@ class _Scenario:
         except BaseException:
             if self.debug.flight_recorder:  # a rank that fails (DETAIL's check, a lost peer) still leaves its record
                 from .debugtools import dump_flight_recorder
-                dump_flight_recorder(ctx.run_dir / f"rank{ctx.rank}.fr.json")
+                dump_flight_recorder(RunDir(ctx.run_dir).flight_record(ctx.rank))
             raise
 
 
@@ -258,6 +307,6 @@ def _dump_when_stalled(ctx: Any, stall_s: float) -> None:
     from .debugtools import dump_flight_recorder
     while ctx.heartbeats is not None:
         if time.time() - ctx.heartbeats.read(ctx.rank)[0] > stall_s:
-            dump_flight_recorder(ctx.run_dir / f"rank{ctx.rank}.fr.json")
+            dump_flight_recorder(RunDir(ctx.run_dir).flight_record(ctx.rank))
             return
         time.sleep(0.05)

@@ -7,6 +7,10 @@ picture, the cost of restarting workers, and the simplest model of workers shari
     fig = plot_step_split(table)          # stacked bars, one per setting
     step_split(timed["2 workers"].run)    # {"t_data": 0.031, "t_fwd_bwd": 0.004, "t_optim": 0.001, "t_step": 0.037}
     predicted_step(workers=2, cores=2, data_ms=32, compute_ms=3)   # {"ms per step": 17.5, ...}
+
+The digits pipeline the lesson takes apart is the training loop's own (labkit/training/data.py), reachable here:
+DigitsStream(cfg, world_size=1, rank=0).make_loader() is its DataLoader, digits_data() the images and labels,
+sample_work(image, seed=, position=, cost_ms=) the per-sample work a worker does (RunConfig.sample_cost_ms).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import pandas as pd
 
 from ..measure.claims import LIMIT_CORES
 from ..measure.timing import Timing
+from ..training.data import DigitsSamples, DigitsStream, digits_data, sample_work  # noqa: F401 - the lesson's door
 from ..view import COLORS, new_figure, shown
 
 PARTS = ("t_data", "t_fwd_bwd", "t_optim")

@@ -7,7 +7,9 @@
     monitor.stragglers(run)                 # [] or [Straggler(rank=1, extra_s=0.021, ...)]
     monitor.tensorboard_command([run])      # the shell command that serves these runs on 127.0.0.1
     monitor.clock_offsets(table)            # each rank's clock minus rank 0's, from steps they ended together
-    run, cmd = monitor.launch_as_nodes(cfg, "runs/job1")   # torchrun as two "nodes" writing one run dir
+    monitor.clock_is_off(table, 1, 2.5)     # True: rank 1's clock measured 2.5 s (to a tenth) ahead of rank 0's
+    monitor.same_losses(healthy, slowed)    # True: every rank's loss at every step equal in both runs (loss_gap)
+    run, cmd = monitor.launch_as_nodes(cfg) # torchrun as two "nodes" writing one new run dir under runs_root()
 
 Why compute and wait: a synchronous step ends for every rank when its all-reduce ends, and that is when the last
 rank arrives. So every rank's step time grows with a straggler; what tells them apart is where the time went.
@@ -32,6 +34,7 @@ from matplotlib.figure import Figure
 
 from ..config import RunConfig
 from ..records import Run
+from ..rundir import RunDir, runs_root
 from ..view import COLORS, in_notebook, new_figure, shown
 
 PANELS = (("t_step", "step time (ms)", 1000.0), ("t_data", "data wait (ms)", 1000.0), ("loss", "loss", 1.0),
@@ -42,7 +45,7 @@ def read_tensorboard(run: Run | str | Path) -> pd.DataFrame:
     """Every scalar of every rank's event files (runs/<id>/tb/rank<r>/), read with TensorBoard's own reader:
     one row per (rank, step), one column per tag, plus wall_time (seconds, from the events)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    tb = _run_path(run) / "tb"
+    tb = RunDir(_run_path(run)).tensorboard()
     rows = []
     for folder in sorted(tb.glob("rank*"), key=lambda p: int(p.name[4:])):
         events = EventAccumulator(str(folder), size_guidance={"scalars": 0})  # 0: keep every event, not a sample
@@ -126,12 +129,46 @@ def clock_offsets(table: pd.DataFrame, after: int = 2) -> pd.Series:
     return times.sub(times[times.columns[0]], axis=0).median().rename("clock_offset_s")
 
 
-def launch_as_nodes(config: RunConfig, run_dir: Path, *, nodes: int = 2, timeout: float = 180.0) -> tuple[Run, str]:
+CLOCK_SHARE = 0.1   # clock_is_off's tolerance, as a share of the offset it is asked about (or of `scale`)
+
+
+def clock_is_off(table: pd.DataFrame, rank: int, seconds: float, *, scale: float | None = None,
+                 after: int = 2) -> bool:
+    """Whether the events say `rank`'s clock is `seconds` ahead of rank 0's, to CLOCK_SHARE of `scale` (default:
+    of `seconds`):  clock_is_off(table, 1, 2.5) -> True when clock_offsets(table)[1] is within 0.25 s of 2.5;
+    clock_is_off(table, 1, 0.0, scale=2.5): one clock, to the same 0.25 s."""
+    tolerance = CLOCK_SHARE * abs(scale if scale is not None else seconds)
+    return bool(abs(clock_offsets(table, after)[rank] - seconds) < tolerance)
+
+
+SAME_LOSS = 1e-6   # same_losses' tolerance: float32 losses of the same computation agree to far better
+
+
+def loss_gap(a: Run | pd.DataFrame, b: Run | pd.DataFrame) -> float:
+    """The largest difference between two runs' losses at the same (rank, step); inf when they did not record the
+    same (rank, step)s (a run that stopped early is not "the same"):  loss_gap(healthy, slowed) -> 0.0."""
+    losses = [(s.df if isinstance(s, Run) else s).set_index(["rank", "step"])["loss"].sort_index() for s in (a, b)]
+    if not losses[0].index.equals(losses[1].index):
+        return float("inf")
+    return float((losses[0] - losses[1]).abs().max())
+
+
+def same_losses(a: Run | pd.DataFrame, b: Run | pd.DataFrame, tolerance: float = SAME_LOSS) -> bool:
+    """Whether every rank's loss at every step is the same in both runs, to `tolerance` (a delay changes when a
+    rank computes, not what): same_losses(healthy, slowed) -> True."""
+    return loss_gap(a, b) < tolerance
+
+
+def launch_as_nodes(config: RunConfig, run_dir: str | Path | None = None, *, nodes: int = 2,
+                    timeout: float = 180.0) -> tuple[Run, str]:
     """Run `config` under torchrun as `nodes` nodes of one process each, all on this machine and writing to one
-    run_dir (what a shared filesystem gives a real cluster). Returns the Run and node 0's command line."""
+    run_dir (what a shared filesystem gives a real cluster): by default a new one under runs_root(), so that each
+    call is a run of its own. Returns the Run and node 0's command line."""
     import subprocess
     import sys
     import tempfile
+    if run_dir is None:
+        run_dir = RunDir.new(runs_root(), f"{config.name or config.task}-{nodes}-nodes").path
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config = config.replace(world_size=nodes)
@@ -211,7 +248,7 @@ def compute_wait_bars(runs: dict[str, Run | pd.DataFrame], after: int = 2) -> Fi
 def tensorboard_command(runs: Sequence[Run], port: int | None = None) -> tuple[str, int]:
     """(the command that serves these runs' events on 127.0.0.1, the free port it names)."""
     port = port or free_port()
-    spec = ",".join(f"{_tb_name(r)}:{r.path / 'tb'}" for r in runs)
+    spec = ",".join(f"{_tb_name(r)}:{RunDir(r.path).tensorboard()}" for r in runs)
     return f"tensorboard --logdir_spec {spec} --host 127.0.0.1 --port {port}", port
 
 

@@ -5,6 +5,8 @@
     table = parallel.state_table(runs)        # per strategy: bytes measured (fullest rank) beside the formula's
     parallel.state_bars(table)                # the same as a figure
     parallel.megatron_count()                 # all-reduces in forward and backward of tensor-parallel blocks
+    parallel.megatron_count(sequence_parallel=True)   # all-gathers and reduce-scatters instead; bytes kept per block
+    parallel.run_strategies([("tp", 2, {"sequence_parallel": True})], steps=12)   # the run "tp+sp w2"
 
 The formulas are labkit.memory's (the ZeRO paper's), for this kit's fp32 runs: 4-byte parameters and gradients,
 AdamW's K = 8 bytes of state per parameter. `parameter_split` counts which parameters tensor parallelism splits
@@ -14,6 +16,7 @@ formula's Ψ/T assumes all are split, `predicted_state` does not.
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any, Sequence
 
 import numpy as np
@@ -26,12 +29,13 @@ from matplotlib.figure import Figure
 from ..config import RunConfig
 from ..records import Run
 from ..run.launch import launch
-from ..training.dispatchcount import DispatchCounter
-from ..training.strategies import COUNTED_STEPS
+from ..training.parallel.dispatchcount import DispatchCounter
+from ..training.parallel.held import SavedTensors
+from ..training.parallel.strategies import COUNTED_STEPS
 from ..training.tasks import make_task
-from ..training.tensor_parallel import block_plan, linear_gpt2, split_blocks
+from ..training.parallel.tensor_parallel import block_plan, linear_gpt2, split_blocks
 from ..view import COLORS, new_figure, shown
-from .memory import StateBytes, state_breakdown
+from ..memory import StateBytes, state_breakdown
 
 STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3, "tp": 0, "fsdp+tp": 3}
 FP32_ADAMW = {"param_bytes": 4, "grad_bytes": 4, "k": 8}  # what this kit trains with: fp32 weights, AdamW
@@ -43,20 +47,36 @@ PARTS = ("params", "grads", "optimizer")
 # and v (+2). Outside the layers: the final LayerNorm's input and the LM head's input (2). See tpclaim.saved_by_module.
 GPT2_ON_CPU = {"value_bytes": 4, "dropout": False, "scores": False, "split_values": 26, "outside_values": 2,
                "norm_stats": True}
+# With sequence parallelism (RunConfig.sequence_parallel), torch's DTensor keeps for backward the all-gathered
+# inputs of the column-wise layers (the input of q|k|v and of the MLP's first layer: 2 of the 4 whole values per
+# layer; Megatron-LM keeps the pieces and gathers again in backward) and the LM head's gathered input (1 of the 2
+# outside): those stay whole, the rest is split over the tensor-parallel ranks.
+GPT2_SEQUENCE_PARALLEL = {"gathered_values": 2, "outside_gathered_values": 1}
+
+
+def activation_form(config: RunConfig) -> dict[str, Any]:
+    """labkit.memory.activation_bytes' arguments for config's GPT-2 on this CPU, besides its sizes:
+    GPT2_ON_CPU, and with RunConfig.sequence_parallel GPT2_SEQUENCE_PARALLEL too."""
+    if config.sequence_parallel:
+        return {**GPT2_ON_CPU, "sequence_parallel": True, **GPT2_SEQUENCE_PARALLEL}
+    return dict(GPT2_ON_CPU)
 
 
 def lesson_config(strategy: str, world_size: int, *, steps: int, **fields: Any) -> RunConfig:
-    """The lesson's run: the tiny GPT-2 (tinylm), 16 samples per step, AdamW:  lesson_config("fsdp", 2, steps=12)."""
-    fields = {"global_batch": 16, "lr": 3e-3, "name": f"{strategy} w{world_size}", **fields}
+    """The lesson's run: the tiny GPT-2 (tinylm), 16 samples per step, AdamW:  lesson_config("fsdp", 2, steps=12).
+    Named "<strategy> w<world_size>" ("tp+sp w2" with sequence_parallel=True) unless `name` is given."""
+    sp = "+sp" if fields.get("sequence_parallel") else ""
+    fields = {"global_batch": 16, "lr": 3e-3, "name": f"{strategy}{sp} w{world_size}", **fields}
     return RunConfig(task="tinylm", strategy=strategy, world_size=world_size, steps=steps, **fields)
 
 
-def run_strategies(cases: Sequence[tuple[str, int]], *, steps: int, runs_root: Any = None,
-                   **fields: Any) -> dict[str, Run]:
-    """Train the same model once per (strategy, world_size); {"fsdp w2": Run, ...}."""
+def run_strategies(cases: Sequence[tuple], *, steps: int, runs_root: Any = None, **fields: Any) -> dict[str, Run]:
+    """Train the same model once per (strategy, world_size) or (strategy, world_size, {more fields});
+    {"fsdp w2": Run, "tp+sp w2": Run, ...}:  run_strategies([("fsdp", 2), ("tp", 2, {"sequence_parallel": True})],
+    steps=12)."""
     runs = {}
-    for strategy, world in cases:
-        config = lesson_config(strategy, world, steps=steps, **fields)
+    for strategy, world, *more in cases:
+        config = lesson_config(strategy, world, steps=steps, **{**fields, **(more[0] if more else {})})
         runs[config.name] = launch(config, echo=False, runs_root=runs_root)
     return runs
 
@@ -77,8 +97,16 @@ def parameter_split(config: RunConfig) -> dict[str, int]:
     total = sum(p.numel() for p in params)
     split = sum(p.numel() for p in params if id(p) in split_ids)
     block = max(sum(p.numel() for p in b.parameters()) for b in model.transformer.h)
-    return {"total": total, "split": split, "whole": total - split, "block": block,
+    block_whole = max(sum(p.numel() for p in b.parameters() if id(p) not in split_ids) for b in model.transformer.h)
+    return {"total": total, "split": split, "whole": total - split, "block": block, "block_whole": block_whole,
             "root": total - sum(p.numel() for b in model.transformer.h for p in b.parameters())}
+
+
+def parameter_tensors(config: RunConfig) -> int:
+    """Parameter tensors of config's model as its strategy builds it: tensor parallelism's GPT-2 holds q, k and v
+    apart (more tensors). AdamW keeps a 4-byte step counter for each one a rank holds state for."""
+    model = make_task(config, 1).build_model()
+    return len(list((linear_gpt2(model) if config.parallel_dims[1] > 1 else model).parameters()))
 
 
 def naive_state(config: RunConfig) -> StateBytes:
@@ -134,17 +162,31 @@ WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: n - 1,
         "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: (n - 1) / n}
 
 
+def received_bytes(kind_bytes: dict[str, float], group: int) -> float:
+    """Bytes each of `group` ranks receives for collectives that were handed {kind: bytes} (WIRE, ring
+    algorithms):  received_bytes({"all_reduce": 2**20}, 2) == 2**20."""
+    return float(sum(WIRE[kind](group) * sent for kind, sent in kind_bytes.items())) if group > 1 else 0.0
+
+
 def collectives_table(runs: dict[str, Run]) -> pd.DataFrame:
     """One row per run and kind of collective: calls per step, bytes handed, bytes each rank receives (WIRE) over
-    the group it runs in (data-parallel for FSDP's gathers, tensor-parallel for TP's all-reduces)."""
+    the group it runs in (data-parallel for FSDP's gathers, tensor-parallel for TP's all-reduces and for sequence
+    parallelism's all-gathers and reduce-scatters; under "fsdp+tp" with sequence parallelism both kinds of
+    all-gather are counted together, over the data-parallel group)."""
     rows = []
     for label, run in runs.items():
         dp, tp = run.config.parallel_dims
         for kind, (calls, handed) in collectives(run).items():
-            group = tp if (kind == "all_reduce" and tp > 1 and calls > 1) else dp
+            tp_kind = kind == "all_reduce" or (run.config.sequence_parallel and run.config.strategy == "tp")
+            group = tp if (tp_kind and tp > 1 and calls > 1) else dp
             rows.append({"run": label, "kind": kind, "calls": int(calls), "bytes_handed": int(handed),
-                         "group": group, "bytes_received": WIRE[kind](group) * handed if group > 1 else 0.0})
+                         "group": group, "bytes_received": received_bytes({kind: handed}, group)})
     return pd.DataFrame(rows)
+
+
+def calls_by_run(table: pd.DataFrame) -> dict[str, dict[str, int]]:
+    """{run: {kind: calls per step}} from a collectives_table:  calls_by_run(wire)["ddp w2"] == {"all_reduce": 1}."""
+    return {label: dict(zip(rows.kind, rows.calls)) for label, rows in table.groupby("run", sort=False)}
 
 
 def state_table(runs: dict[str, Run]) -> pd.DataFrame:
@@ -193,9 +235,12 @@ def state_bars(table: pd.DataFrame, *, title: str = "model state per rank: measu
 
 # --- Megatron's claim, counted ---------------------------------------------------------------------------------
 
-def megatron_count(world_size: int = 2, *, runs_root: Any = None, **fields: Any) -> dict[str, Any]:
-    """All-reduces one forward and one backward of the tensor-parallel tiny GPT-2 issue, per block, with bytes."""
-    config = lesson_config("tp", world_size, steps=1, **fields)
+def megatron_count(world_size: int = 2, *, sequence_parallel: bool = False, runs_root: Any = None,
+                   **fields: Any) -> dict[str, Any]:
+    """The collectives one forward and one backward of the tensor-parallel tiny GPT-2 issue (calls, bytes, by
+    kind), and what each rank keeps for backward per block and outside the blocks (bytes):
+    megatron_count(2), megatron_count(2, sequence_parallel=True)."""
+    config = lesson_config("tp", world_size, steps=1, sequence_parallel=sequence_parallel, **fields)
     run = launch(functools.partial(_count_tp_step, config=config), world_size=world_size, echo=False,
                  name="megatron-count", runs_root=runs_root)
     return run.result(0)
@@ -205,15 +250,47 @@ def _count_tp_step(ctx: Any, config: RunConfig) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     torch.manual_seed(config.seed)
     task = make_task(config, 1)
-    model = split_blocks(linear_gpt2(task.build_model()), init_device_mesh(ctx.device.type, (ctx.world_size,)))
+    model = split_blocks(linear_gpt2(task.build_model()), init_device_mesh(ctx.device.type, (ctx.world_size,)),
+                         sequence_parallel=config.sequence_parallel)
     inputs, targets = task.batch(0, 0, 0)
-    counts = {}
+    counts, blocks = {}, list(model.transformer.h)
     with DispatchCounter() as wire:
-        loss, _ = task.loss(model, inputs, targets)
-        counts["forward"], counts["forward_bytes"] = wire.take()
-        counts["forward_kinds"] = {kind: n for kind, (n, _) in wire.take_kinds().items()}
-        loss.backward()
-        counts["backward"], counts["backward_bytes"] = wire.take()
-        counts["backward_kinds"] = {kind: n for kind, (n, _) in wire.take_kinds().items()}
-    counts.update(blocks=len(model.transformer.h), activation_bytes=inputs.numel() * model.config.n_embd * 4)
+        with SavedByBlock(model) as saved:
+            loss, _ = task.loss(model, inputs, targets)
+        for phase in ("forward", "backward"):
+            if phase == "backward":
+                loss.backward()
+            counts[phase], counts[f"{phase}_bytes"] = wire.take()
+            kinds = wire.take_kinds()
+            counts[f"{phase}_kinds"] = {kind: n for kind, (n, _) in kinds.items()}
+            counts[f"{phase}_kind_bytes"] = {kind: sent for kind, (_, sent) in kinds.items()}
+    counts.update(blocks=len(blocks), activation_bytes=inputs.numel() * model.config.n_embd * 4,
+                  saved_per_block=saved.inside / len(blocks), saved_outside=saved.outside)
     return counts
+
+
+class SavedByBlock:
+    """Bytes autograd keeps for backward during the model's forward (the loss after it left out, as in labkit's
+    act_bytes), split into those saved inside its transformer blocks and the rest: this rank's pieces of DTensors,
+    weights excepted, each storage once, counted as the `with` is left (held.SavedTensors, labelled by module).
+    with SavedByBlock(model) as saved: loss = model(x) ... saved.inside"""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.inside, self.outside = model, 0, 0
+
+    def __enter__(self) -> "SavedByBlock":
+        self._saved = SavedTensors(modules=self.model).__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._saved.__exit__(*exc)
+        for module, size in self._saved.held():   # read now: what ran inside the `with` still holds the graph
+            if module is None:
+                continue   # outside the model's forward (the loss)
+            if _IN_A_BLOCK.match(module):
+                self.inside += size
+            else:
+                self.outside += size
+
+
+_IN_A_BLOCK = re.compile(r"transformer\.h\.\d+(\.|$)")

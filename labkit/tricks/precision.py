@@ -25,6 +25,7 @@ from matplotlib.figure import Figure
 from ..config import RunConfig
 from ..measure import CpuMeter, pinned_to
 from ..records import Run
+from ..training.parallel.held import SavedTensors
 from ..training.tasks import make_task
 from ..view import COLORS, new_figure, shown
 from .commeff import WARM, ms_per_step, steps
@@ -39,8 +40,9 @@ def _autocast(dtype: torch.dtype | None) -> Any:
 
 def autocast_facts(config: RunConfig, batch_size: int, precisions: tuple[str, ...] = tuple(PRECISIONS)) -> pd.DataFrame:
     """One forward+backward of config's tinylm model per precision, in this process; one row per precision:
-    the first MLP layer's output (dtype, shape) and its bytes, the bytes autograd keeps for backward (each storage
-    once), the gradients' dtype, the loss:  autocast_facts(cfg, 16).loc["bf16", "saved for backward (MiB)"]."""
+    the first MLP layer's output (dtype, shape) and its bytes, the bytes autograd keeps for backward (weights
+    excepted, each storage once), the gradients' dtype, the loss:
+    autocast_facts(cfg, 16).loc["bf16", "saved for backward (MiB)"]."""
     task = make_task(config.replace(global_batch=batch_size, grad_accum=1), 1)
     inputs, targets = task.batch(0, 0, 0)
     rows = {}
@@ -48,21 +50,18 @@ def autocast_facts(config: RunConfig, batch_size: int, precisions: tuple[str, ..
         torch.manual_seed(0)
         model = task.build_model()
         seen: dict[str, Any] = {}
-        saved: dict[int, int] = {}
 
         def note(module: Any, args: Any, out: torch.Tensor) -> None:
             seen.update(dtype=out.dtype, shape=tuple(out.shape), bytes=out.numel() * out.element_size())
 
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-            return tensor
         handle = model.transformer.h[0].mlp.c_fc.register_forward_hook(note)
-        with _autocast(PRECISIONS[name]), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with _autocast(PRECISIONS[name]), SavedTensors() as saved:
             loss, _ = task.loss(model, inputs, targets)
+        held = saved.bytes()   # before backward frees them
         loss.backward()
         handle.remove()
         rows[name] = {"first MLP layer output": f"{seen['dtype']} {seen['shape']}".replace("torch.", ""),
-                      "its bytes": seen["bytes"], "saved for backward (MiB)": sum(saved.values()) / 2**20,
+                      "its bytes": seen["bytes"], "saved for backward (MiB)": held / 2**20,
                       "gradient dtype": ", ".join(sorted({str(p.grad.dtype).replace("torch.", "")
                                                           for p in model.parameters()})),
                       "loss": loss.item()}

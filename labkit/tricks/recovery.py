@@ -8,11 +8,14 @@ parts from the run it should continue, what restarts cost, and how often to save
     recovery.resume_figure(reference, killed, [resumed, broken], ["full", "no rng"], killed_at=11)
     recovery.restarts_figure(run)                # one continuous loss curve, restarts marked, downtime per restart
     recovery.save_costs(run)                     # seconds and bytes per save, step time without and after a save
+    recovery.loss_slope(run, first_step=12)      # the loss's trend per step: below 0 while the run still learns
     recovery.young_daly(save_s=0.05, mtbf_s=4 * 3600)   # the checkpoint interval that loses least (seconds)
     recovery.interval_figure(save_s=0.05, step_s=0.03, mtbf_s=3600)   # time lost against the interval
     recovery.contents(found / "rank0.pt")         # what one checkpoint file holds, as {key: "tensor uint8[5056]"}
+    found = recovery.find(run); recovery.load_file(found / "state.pt")   # the newest complete checkpoint, read
+                                                                         # with weights_only (training/state/)
 
-Killing a rank from outside is tricks/chaos.py (KillRank); the `except Exception: continue` recipe is
+Killing a rank from outside is tricks/killrank.py (KillRank); the `except Exception: continue` recipe is
 tricks/swallow.py.
 """
 from __future__ import annotations
@@ -28,8 +31,8 @@ import torch
 from matplotlib.figure import Figure
 
 from ..records import Run
-from ..training.checkpoint import (MANIFEST, PARTIAL, SAVES_LOG, checkpoints_dir, find, incomplete_reason,
-                                   load_file, read_manifest, step_dirs, write_file)
+from ..training.state.checkpoint import (MANIFEST, PARTIAL, SAVES_LOG, checkpoints_dir, find, incomplete_reason,
+                                         load_file, read_manifest, step_dirs, write_file)
 from ..view import COLORS, new_figure, shown
 
 PIECES = ("rng", "data")  # what forgetting() can leave out of each rank's file
@@ -164,15 +167,29 @@ def restarts_figure(run: Run, title: str | None = None) -> Figure:
 
 def save_costs(run: Run) -> dict[str, float]:
     """Per save (saves.jsonl, rank 0's clock from the first barrier to the pruning): median seconds and bytes;
-    median step time of the steps that did not follow a save, and of those that did (their t_step includes it)."""
+    median step time of the steps that did not follow a save, and of those that did (their t_step includes it);
+    paid_by_next_step: how much longer the step after a save is, in saves (about 1: the loop pays for it there)."""
     root = checkpoints_dir(run.path)
     saves = pd.read_json(root / SAVES_LOG, lines=True)
     every = run.config.checkpoint_every
     slowest = run.slowest("t_step", after=2)["t_step"]
     after_save = (slowest.index % every) == 0
-    return {"saves": int(len(saves)), "save_s": float(saves["seconds"].median()),
-            "bytes": float(saves["bytes"].median()), "step_s": float(slowest[~after_save].median()),
-            "step_after_save_s": float(slowest[after_save].median())}
+    costs = {"saves": int(len(saves)), "save_s": float(saves["seconds"].median()),
+             "bytes": float(saves["bytes"].median()), "step_s": float(slowest[~after_save].median()),
+             "step_after_save_s": float(slowest[after_save].median())}
+    costs["paid_by_next_step"] = (costs["step_after_save_s"] - costs["step_s"]) / costs["save_s"]
+    return costs
+
+
+def loss_slope(run: Run, first_step: int = 0) -> float:
+    """Least-squares slope of the run's loss (mean over ranks) per step, over its steps from `first_step` on;
+    below 0 while the run still learns:  loss_slope(resumed, first_step=12) -> -0.004."""
+    import numpy as np
+    steps = run.steps()
+    steps = steps[steps["step"] >= first_step]
+    if len(steps) < 2:
+        raise ValueError(f"run {run.name!r} has {len(steps)} step(s) from step {first_step} on; a slope needs 2")
+    return float(np.polyfit(steps["step"].astype(float), steps["loss"].astype(float), 1)[0])
 
 
 def young_daly(save_s: float, mtbf_s: float) -> dict[str, float]:

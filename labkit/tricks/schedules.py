@@ -3,11 +3,15 @@ ranks' agreement, warmup's effect on an early spike, and restarts.
 
     from labkit.tricks import schedules
     schedules.reference_lrs(cfg)          # transformers' own scheduler, stepped as a training loop steps it
+    schedules.torch_lrs(cfg)              # labkit's own schedules rebuilt from torch's schedulers, chained
+    schedules.cosine_with_warmup_lrs(cfg) # transformers' get_cosine_schedule_with_warmup, stepped the same way
     schedules.lr_mismatch(run)            # largest |recorded LR - schedule's LR| over every step and rank
+    schedules.lr_mismatch(run, schedules.torch_lrs(run.config))   # ... against another reference
     run.lr_disagreement()                 # the first step where the ranks' LRs differ (labkit.records)
     schedules.rank_lrs(run)               # figure: each rank's held-out loss and LR (the per-rank plateau bug)
     schedules.early_climb(run, within=10) # how far the loss climbed back above its first value, and when
     schedules.restart_steps(run)          # steps at which the LR jumped back up
+    schedules.restart_rises(hard, plain)  # per restart: how much the loss rose against plain cosine, same steps
     schedules.tail_loss(run, last=5)      # mean loss of the last steps
 """
 from __future__ import annotations
@@ -20,8 +24,10 @@ from matplotlib.figure import Figure
 
 from ..config import RunConfig
 from ..records import Run
-from ..training.schedule import TRANSFORMERS, lr_for_config
+from ..training.lr import TRANSFORMERS, lr_for_config
 from ..view import COLORS, new_figure, shown
+
+LR_TOLERANCE = 1e-12  # relative: two computations of one schedule in float64 agree to rounding, far below this
 
 
 def reference_lrs(config: RunConfig) -> list[float]:
@@ -39,19 +45,63 @@ def reference_lrs(config: RunConfig) -> list[float]:
                                                  "power": config.poly_power})}[config.schedule]
     scheduler = get_scheduler(name, optimizer, num_warmup_steps=config.warmup_steps,
                               num_training_steps=config.steps, scheduler_specific_kwargs=extra)
+    return _stepped(optimizer, scheduler, config.steps)
+
+
+def _stepped(optimizer: torch.optim.Optimizer, scheduler: Any, steps: int) -> list[float]:
+    """The LR of each of `steps` optimizer steps, the scheduler driven the usual way: read, step, scheduler.step()."""
     out = []
-    for _ in range(config.steps):
+    for _ in range(steps):
         out.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
     return out
 
 
-def lr_mismatch(run: Run) -> float:
-    """The largest |recorded LR - reference_lrs| over every step and rank (0.0: equal everywhere)."""
+def torch_lrs(config: RunConfig) -> list[float]:
+    """labkit's own schedules ("constant", "linear", "cosine") rebuilt from torch.optim.lr_scheduler, an
+    implementation independent of labkit's lr_at, chained to labkit's conventions: LinearLR from peak/warmup at
+    step 0 to the peak at step warmup-1 (labkit's warmup trains at step 0), then, from step warmup on,
+    CosineAnnealingLR or LinearLR reaching the floor (min_lr_ratio * peak) on the last step, or a constant LR."""
+    if config.schedule not in ("constant", "linear", "cosine"):
+        raise ValueError(f"schedule = {config.schedule!r}: torch_lrs rebuilds labkit's own schedules (constant, "
+                         "linear, cosine); transformers' have reference_lrs")
+    import warnings
+    from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, SequentialLR
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=config.lr)
+    warm, decay = config.warmup_steps, max(config.steps - config.warmup_steps - 1, 1)
+    if config.schedule == "cosine":
+        after = CosineAnnealingLR(optimizer, T_max=decay, eta_min=config.lr * config.min_lr_ratio)
+    elif config.schedule == "linear":
+        after = LinearLR(optimizer, start_factor=1.0, end_factor=config.min_lr_ratio, total_iters=decay)
+    else:
+        after = ConstantLR(optimizer, factor=1.0, total_iters=0)
+    if warm:
+        ramp = LinearLR(optimizer, start_factor=1 / warm, end_factor=1.0, total_iters=warm - 1) if warm > 1 \
+            else ConstantLR(optimizer, factor=1.0, total_iters=0)
+        with warnings.catch_warnings():  # SequentialLR steps its schedulers at construction; torch warns of it
+            warnings.simplefilter("ignore")
+            scheduler = SequentialLR(optimizer, [ramp, after], milestones=[warm])
+    else:
+        scheduler = after
+    return _stepped(optimizer, scheduler, config.steps)
+
+
+def cosine_with_warmup_lrs(config: RunConfig) -> list[float]:
+    """transformers' get_cosine_schedule_with_warmup (no restarts) for config's peak, warmup and steps, driven as
+    a training loop drives it: what "cosine_restarts" with cycles=1 should be."""
+    from transformers import get_cosine_schedule_with_warmup
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=config.lr)
+    return _stepped(optimizer, get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, config.steps),
+                    config.steps)
+
+
+def lr_mismatch(run: Run, reference: list[float] | None = None) -> float:
+    """The largest |recorded LR - reference| over every step and rank, relative to the run's peak LR (0.0: equal
+    everywhere); reference: one LR per step, default reference_lrs(run.config)."""
     df = run.read_records()
-    expected = pd.Series(reference_lrs(run.config))
-    return float((df["lr"] - df["step"].map(expected)).abs().max())
+    expected = pd.Series(reference_lrs(run.config) if reference is None else reference)
+    return float((df["lr"] - df["step"].map(expected)).abs().max() / run.config.lr)
 
 
 @shown
@@ -97,6 +147,15 @@ def restart_steps(run: Run) -> list[int]:
     lr = run.steps().set_index("step")["lr"]
     after = lr.loc[run.config.warmup_steps:]
     return [int(s) for s in after.index[1:][after.values[1:] > after.values[:-1]]]
+
+
+def restart_rises(hard: Run, plain: Run, within: int = 5) -> list[float]:
+    """Per restart of `hard` (restart_steps): how much more its loss exceeds `plain`'s over the `within` steps from
+    the restart than over the `within` steps before it. Both runs train on the same batches at the same step (same
+    seed), so the difference between their losses at a step leaves out how hard that step's batch was; a rise > 0
+    says the restart cost progress against the run that did not restart."""
+    gap = hard.steps().set_index("step")["loss"] - plain.steps().set_index("step")["loss"]
+    return [float(gap.loc[r:r + within - 1].mean() - gap.loc[r - within:r - 1].mean()) for r in restart_steps(hard)]
 
 
 def tail_loss(run: Run, last: int = 5) -> float:

@@ -7,8 +7,14 @@ clipping did, and where the clip must go under fp16 with accumulation.
     stability.clipping(run)                         # per step: norm, max, whether clipping acted, the norm it left
     stability.clip_figure(runs)                     # figure: loss | grad norm (with each max) | clip coefficient
     stability.outcomes([(label, run, ending), ...]) # figure: how each nan_policy ended, per rank
-    flags = launch(stability.flag_cost, config=cfg) # steps alternate without/with the nan_policy flag
-    stability.flag_cost_summary(flags)              # ms per step each way, measured in the same run
+    stability.everyone_waited(failure)              # "alone": nobody failed, every rank still waiting when reported
+    stability.stopped_together(run, step)           # "stop": every rank's last step is `step`, and none took it
+    flags = launch(stability.flag_cost, config=cfg) # steps take turns: with/without the nan_policy flag, at the
+                                                    # config's batch and at GROWTH times it
+    summary = stability.flag_cost_summary(flags)    # per batch: the step, the flag's checks, round trip and wait (ms),
+                                                    # its share of the step; the paired difference as a cross-check
+    stability.flag_share_falls(summary)             # True: a price per step, a smaller share of a longer step
+    stability.flag_traffic(flags)                   # the agreement's collectives and bytes, counted
     orders = launch(stability.clip_orders, config=cfg16)   # fp16 + accumulation: the norm each placement sees
     stability.clip_order_table(orders)
 
@@ -27,10 +33,12 @@ from matplotlib.figure import Figure
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..records import Run
+from ..run.failure import RankFailure
 from ..training.amp import StepCounter, autocast
-from ..training.loop import make_optimizer
+from ..training.commhooks import count_collectives
+from ..training.optim import make_optimizer
 from ..training.seeding import seed_everything
-from ..training.stability import NanGuard, optimizer_step
+from ..training.nonfinite import NanGuard, optimizer_step
 from ..training.tasks import make_task
 from ..view import COLORS, new_figure, shown
 
@@ -55,6 +63,21 @@ def clipping(run: Run) -> pd.DataFrame:
     out["acted"] = out["clip_coef"] < 1.0
     out["left"] = out["grad_norm"] * out["clip_coef"]
     return out
+
+
+def everyone_waited(failure: RankFailure) -> bool:
+    """Whether every rank was still waiting when the watchdog reported (state "hung" or "waiting"): nobody failed,
+    the job only stopped moving, as under nan_policy="alone":  everyone_waited(failure) -> True."""
+    return all(s.state in ("hung", "waiting") for s in failure.statuses)
+
+
+def stopped_together(run: Run, step: int) -> bool:
+    """Whether every rank of the run recorded `step` as its last step and none of them took its optimizer step there
+    (skipped_step 1), as nan_policy="stop" promises:  stopped_together(failure.run, 5) -> True."""
+    df = run.df
+    last, at = df.groupby("rank")["step"].max(), df[df["step"] == step]
+    return bool(len(last) == run.world_size and (last == step).all() and len(at) == run.world_size
+                and (at["skipped_step"] == 1).all())
 
 
 @shown
@@ -148,46 +171,106 @@ def _ddp_setup(ctx: Any) -> tuple[Any, torch.nn.Module, DDP, torch.optim.Optimiz
     return task, model, ddp, make_optimizer(config, model.parameters())
 
 
+GROWTH = 4  # flag_cost times the flag at the config's batch and at GROWTH times it, in the same run
+KINDS = ((1, 0), (1, 1), (GROWTH, 0), (GROWTH, 1))   # (batch multiple, flag) of flag_cost's four kinds of step
+
+
+def flag_kind(step: int) -> tuple[int, int]:
+    """(batch multiple, flag) of flag_cost's step: the four kinds in turns, ABCD DCBA ..., so that each kind sits
+    at every place of a block alike:  [flag_kind(s) for s in range(8)] -> (1,0) (1,1) (4,0) (4,1) (4,1) (4,0) ..."""
+    place = step % len(KINDS)
+    return KINDS[place if (step // len(KINDS)) % 2 == 0 else len(KINDS) - 1 - place]
+
+
 def flag_cost(ctx: Any) -> None:
-    """Train ctx.config with steps alternating without and with nan_policy="stop"'s flag (its gradient checks and
-    its all-reduce), so that both kinds of step share the machine's load; records t_step, flag (0/1) and t_flag
-    (the seconds spent agreeing, waiting for the slower rank included)."""
+    """Train ctx.config with four kinds of step taking turns (flag_kind): at the config's batch and at GROWTH
+    times it (its rows repeated: the work of GROWTH times the rows), each without and with nan_policy="stop"'s flag,
+    so that every kind shares the machine's load alike. Records t_step, rows (per rank), flag (0/1) and the flag's
+    two parts, timed where they run: t_checks (seconds inside the guard's gradient hooks during backward, between
+    hooks registered just before and just after them on each parameter) and t_flag (seconds in the agreement, the
+    wait for the slower rank included); flag_calls / flag_bytes: the collectives the agreement issued and the
+    bytes handed to them, counted at torch.distributed."""
     task, model, ddp, optimizer = _ddp_setup(ctx)
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    inside = [0.0]   # seconds inside the guard's hooks this step; then the time its current hook began
+    for p in params:  # a parameter's post-accumulate hooks run in the order they were registered
+        p.register_post_accumulate_grad_hook(lambda _: inside.append(time.perf_counter()))
     guard = NanGuard("stop", model, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device)
-    for step in range(ctx.config.steps):
-        ctx.heartbeat(step)
-        flagged = step % 2 == 1
-        guard.armed = flagged
-        started = time.perf_counter()
-        guard.start_step()
-        inputs, targets = (t.to(ctx.device) for t in task.batch(step, 0, ctx.rank))
-        loss, _ = task.loss(ddp, inputs, targets)
-        loss.backward()
-        value = loss.item()
-        agreeing = time.perf_counter()
-        bad = guard.agree(value) if flagged else []
-        t_flag = time.perf_counter() - agreeing
-        optimizer_step(model, optimizer, scaler, None, take=not bad)
-        ctx.record(step, loss=value, t_step=time.perf_counter() - started, flag=int(flagged), t_flag=t_flag)
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda _: inside.__setitem__(0, inside[0] + time.perf_counter()
+                                                                          - inside.pop()))
+    with count_collectives() as wire:
+        for step in range(ctx.config.steps):
+            ctx.heartbeat(step)
+            times, flagged = flag_kind(step)
+            guard.armed, inside[0] = bool(flagged), 0.0
+            started = time.perf_counter()
+            guard.start_step()
+            inputs, targets = (t.to(ctx.device).repeat(times, *[1] * (t.dim() - 1))
+                               for t in task.batch(step, 0, ctx.rank))
+            loss, _ = task.loss(ddp, inputs, targets)
+            loss.backward()
+            value = loss.item()
+            wire.take()  # forget anything before the agreement: only the flag's own collectives are counted
+            agreeing = time.perf_counter()
+            bad = guard.agree(value) if flagged else []
+            t_flag = time.perf_counter() - agreeing
+            calls, sent = wire.take()
+            optimizer_step(model, optimizer, scaler, None, take=not bad)
+            ctx.record(step, loss=value, t_step=time.perf_counter() - started, rows=len(inputs), flag=flagged,
+                       tensors=len(params), t_checks=inside[0], t_flag=t_flag, flag_calls=calls, flag_bytes=sent)
 
 
-def flag_cost_summary(run: Run) -> dict[str, float]:
-    """Per step the slowest rank's time; the medians without and with the flag; the flag's cost as the median
-    of the differences within each (without, with) pair of neighbouring steps, with their quartiles (the noise
-    of this machine); and the median time spent inside the agreement itself."""
+def flag_cost_summary(run: Run) -> pd.DataFrame:
+    """One row per batch size (rows per rank) of a flag_cost run, in ms (medians over steps):
+    - step: a step without the flag (its slowest rank);
+    - checks: the checks of the `tensors` gradients, at the slowest rank (time inside the guard's hooks on flagged
+      steps, less that on unflagged ones, where the hooks do nothing);
+    - round_trip: the agreement's all-reduce as the last rank to arrive lives it (the least time a rank spent in
+      the agreement); wait: how much longer the first rank to arrive spent there, waiting for the last;
+    - least, most: what the flag adds to a step, checks + round_trip, and that plus the wait. The truth is between:
+      the wait is the ranks' drift since the gradient all-reduce, which the next one would absorb anyway unless
+      the drift changes sides in between; share_least, share: least and most as a share of the step, in %;
+    - paired, q25, q75, pairs: the median difference of step time with and without the flag within each turn of
+      the four kinds, and its quartiles: the cross-check, and the noise of single steps."""
     df = run.read_records()
-    steps = df[df["step"] >= WARM].groupby("step").agg(t_step=("t_step", "max"), flag=("flag", "first"),
-                                                      t_flag=("t_flag", "max"))
-    ms = steps["t_step"] * 1e3
-    pairs = pd.DataFrame({"without": ms[steps["flag"] == 0].values[:len(ms) // 2],
-                          "with": ms[steps["flag"] == 1].values[:len(ms) // 2]}).dropna()
-    diff = pairs["with"] - pairs["without"]
-    without = float(pairs["without"].median())
-    return {"ms_without": without, "ms_with": float(pairs["with"].median()), "ms_cost": float(diff.median()),
-            "ms_cost_q25": float(diff.quantile(0.25)), "ms_cost_q75": float(diff.quantile(0.75)),
-            "cost_percent": float(100 * diff.median() / without), "pairs": len(pairs),
-            "ms_in_agreement": float(steps.loc[steps["flag"] == 1, "t_flag"].median() * 1e3)}
+    steps = df[df["step"] >= WARM].groupby("step").agg(rows=("rows", "first"), flag=("flag", "first"),
+                                                      tensors=("tensors", "first"), t_step=("t_step", "max"),
+                                                      t_checks=("t_checks", "max"), round_trip=("t_flag", "min"),
+                                                      first=("t_flag", "max"))
+    steps["wait"] = steps["first"] - steps["round_trip"]
+    steps["turn"] = steps.index // len(KINDS)
+    out = []
+    for rows, kind in steps.groupby("rows"):
+        ms = kind.groupby("flag")[["t_step", "t_checks", "round_trip", "wait"]].median() * 1e3
+        paired = kind.pivot_table(index="turn", columns="flag", values="t_step").dropna() * 1e3
+        diff = paired[1] - paired[0]
+        step, checks, round_trip, wait = ms.loc[0, "t_step"], ms.loc[1, "t_checks"] - ms.loc[0, "t_checks"], \
+            ms.loc[1, "round_trip"], ms.loc[1, "wait"]
+        out.append({"rows": int(rows), "tensors": int(kind["tensors"].iloc[0]), "step": step, "checks": checks,
+                    "round_trip": round_trip, "wait": wait, "least": checks + round_trip,
+                    "most": checks + round_trip + wait, "share_least": 100 * (checks + round_trip) / step,
+                    "share": 100 * (checks + round_trip + wait) / step, "paired": diff.median(),
+                    "q25": diff.quantile(0.25), "q75": diff.quantile(0.75), "pairs": len(diff)})
+    return pd.DataFrame(out).set_index("rows")
+
+
+def flag_share_falls(summary: pd.DataFrame) -> bool:
+    """Whether the flag's price is one per step rather than per sample, as flag_cost_summary measured it: at the
+    larger batch the step took longer, and the most the flag adds (its wait included, which grows with the drift
+    of longer steps) was a smaller share of it:  flag_share_falls(summary) -> True."""
+    small, large = summary.sort_index().iloc[0], summary.sort_index().iloc[-1]
+    return bool(large["step"] > small["step"] and large["share"] < small["share"])
+
+
+def flag_traffic(run: Run) -> dict[str, float]:
+    """What the agreement handed to torch.distributed, counted per rank: flag_calls and flag_bytes (medians over
+    flagged steps) and bytes_unflagged (the most any unflagged step sent there)."""
+    df = run.read_records()
+    return {"flag_calls": float(df.loc[df["flag"] == 1, "flag_calls"].median()),
+            "flag_bytes": float(df.loc[df["flag"] == 1, "flag_bytes"].median()),
+            "bytes_unflagged": float(df.loc[df["flag"] == 0, "flag_bytes"].max())}
 
 
 def clip_orders(ctx: Any) -> None:

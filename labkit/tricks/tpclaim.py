@@ -4,8 +4,10 @@ The claim (a blog post's "trick"): ZeRO-3 alone still ran out of memory; adding 
 and sped training up by 40%.
 
     parts = tpclaim.memory_parts(runs)      # per run, fullest rank: model state, gathered parameters, activations
+    tpclaim.predicted_parts(runs)           # the same parts, from the formulas (what the measured ones should be)
     tpclaim.memory_bars(parts)              # stacked, beside throughput
     tpclaim.saved_by_module(config)         # what autograd keeps for backward, module by module (units of s·b·h)
+    tpclaim.predicted_per_block(config)     # the formula's bytes per block on a rank (also with sequence_parallel)
     tpclaim.tp_comm_share(hidden=12288, tp=8, flops_per_s=989e12, bandwidth=450e9)  # all-reduce / compute time
 
 Model state per rank is 16Ψ/N for ZeRO-3 over N ranks, and (16Ψ/T)/(N/T) for ZeRO-3 over N/T ranks times tensor
@@ -25,10 +27,12 @@ from matplotlib.figure import Figure
 
 from ..config import RunConfig
 from ..records import Run
+from ..training.parallel.held import SavedTensors
 from ..training.tasks import make_task
 from ..view import COLORS, new_figure, shown
 from .comm import ring_time
-from .parallel import collectives, held, throughput
+from ..memory import activation_bytes
+from .parallel import STAGE, activation_form, collectives, held, parameter_split, predicted_state, throughput
 
 FLOPS_PER_LAYER = 72  # fwd + bwd FLOPs per layer ≈ 72·b·s·h² (Narayanan et al. 2021, attention scores left out)
 
@@ -41,20 +45,11 @@ def saved_by_module(config: RunConfig) -> pd.DataFrame:
     task = make_task(config, 1)
     model = task.build_model()
     inputs, targets = task.batch(0, 0, 0)
-    stack, saved = ["(loss)"], {}
-    for name, module in model.named_modules():
-        module.register_forward_pre_hook(lambda m, a, name=name: stack.append(name or "(model)"))
-        module.register_forward_hook(lambda m, a, out: stack.pop() and None)
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        base = tensor._base if tensor._base is not None else tensor
-        if not (base.is_leaf and base.requires_grad):  # a weight is model state, not an activation
-            storage = tensor.untyped_storage()
-            saved.setdefault(storage.data_ptr(), (re.sub(r"\.h\.\d+", ".h.*", stack[-1]), storage.nbytes()))
-        return tensor
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        task.loss(model, inputs, targets)
-    df = pd.DataFrame(list(saved.values()), columns=["module", "bytes"])
+    with SavedTensors(modules=model) as saved:
+        loss = task.loss(model, inputs, targets)   # held while counting: it holds the graph
+    held = [(re.sub(r"\.h\.\d+", ".h.*", name or "(loss)"), size) for name, size in saved.held()]
+    del loss
+    df = pd.DataFrame(held, columns=["module", "bytes"])
     out = df.groupby("module", sort=False).agg(tensors=("bytes", "size"), bytes=("bytes", "sum"))
     per_layer = out.index.str.contains(r"\.h\.\*")
     out["per"] = np.where(per_layer, "layer", "model")
@@ -74,6 +69,39 @@ def memory_parts(runs: dict[str, Run]) -> pd.DataFrame:
                        "gathered": got.peak_params - got.params, "activations": got.activations,
                        "samples_per_replica": config.global_batch // dp, "dp": dp, "tp": tp,
                        "samples_per_s": throughput(run)}
+    out = pd.DataFrame.from_dict(rows, orient="index")
+    out["total"] = out.model_state + out.gathered + out.activations
+    return out
+
+
+def predicted_activations(config: RunConfig, *, layers: int | None = None, **form: Any) -> float:
+    """labkit.memory.activation_bytes for config's GPT-2 on this CPU (parallel.activation_form: GPT2_ON_CPU, and
+    GPT2_SEQUENCE_PARALLEL with sequence parallelism; `form` changes any of them): the bytes a rank keeps for
+    backward, for the samples its model replica computes on:  predicted_activations(cfg, gathered_values=0)."""
+    model = make_task(config, 1).build_model().config
+    dp, tp = config.parallel_dims
+    return activation_bytes(seq=config.seq_len, batch=config.global_batch // dp, hidden=model.n_embd,
+                            heads=model.n_head, layers=layers or model.n_layer, tp=tp,
+                            **{**activation_form(config), **form})
+
+
+def predicted_per_block(config: RunConfig, **form: Any) -> float:
+    """What the formula says one transformer block keeps on a rank (the part outside the blocks left out)."""
+    return predicted_activations(config, layers=2, **form) - predicted_activations(config, layers=1, **form)
+
+
+def predicted_parts(runs: dict[str, Run]) -> pd.DataFrame:
+    """memory_parts' columns from the formulas: model state (tensor parallelism splitting only what it splits),
+    what ZeRO-3 gathers on top (one block, its split matrices over T, and the root module's own parameters, 4 bytes
+    each), and the activations; samples_per_s is not predicted (NaN)."""
+    rows = {}
+    for label, run in runs.items():
+        config, counts = run.config, parameter_split(run.config)
+        dp, tp = config.parallel_dims
+        block = (counts["block"] - counts["block_whole"]) / tp + counts["block_whole"]
+        rows[label] = {"model_state": predicted_state(config).total,
+                       "gathered": 4 * (block + counts["root"]) if STAGE[config.strategy] == 3 else 0.0,
+                       "activations": predicted_activations(config), "samples_per_s": np.nan}
     out = pd.DataFrame.from_dict(rows, orient="index")
     out["total"] = out.model_state + out.gathered + out.activations
     return out

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..records import FAILURE_MARKER, Run
+from ..rundir import RunDir
 from .figures import compare_figure
 from .progress import Progress
 from .show import in_notebook, png_bytes
@@ -75,7 +76,7 @@ class LiveView:
         for rank in range(self.world_size):
             if self.failed[rank]:
                 continue
-            path = self.run_dir / f"rank{rank}.log"
+            path = RunDir(self.run_dir).log(rank)
             try:
                 with open(path, "rb") as f:
                     f.seek(self.offsets[rank])

@@ -1,0 +1,41 @@
+"""Build DDP and ZeRO yourself: reference solutions, and checkers that run your code on real gloo ranks.
+
+    from labkit import exercises as ex
+    report = ex.check_ddp(MyDDP)                              # 2 ranks against one process on the same data
+    report = ex.check_ddp(MyOverlapDDP, overlap=True)         # all-reduces must start during backward
+    report = ex.check_ddp(MyBucketedDDP, bucket_size_mb=0.01) # and respect the bucket size
+    report = ex.check_sharded_optimizer(MyShardedOptimizer)   # ZeRO-1: same steps, 1/N of the state per rank
+    report = ex.check_pipeline(my_1f1b)                       # 1F1B for two stages with send/recv
+    print(report); report.measured                            # what was checked, and the numbers behind it
+    MyDDP = report.use(ex.NaiveDDP)                           # yours if it passed (blank mode: the reference)
+    ex.blank_copy("notebooks/16_build_ddp_yourself.ipynb")    # the lesson with its ✏️ cells emptied
+
+The interface (that of well-known course assignments): a wrapper whose constructor broadcasts rank 0's parameters
+and which has finish_gradient_synchronization() to call after backward(); a bucketed variant taking
+bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer_kwargs).
+
+    report.py      Report, Finding, blank mode (LABKIT_EXERCISES=blank)
+    references.py  NaiveDDP, OverlapDDP, BucketedDDP, ShardedOptimizer, plan_buckets
+    checknet.py    the model the checkers train: a tied weight, a frozen layer; its data
+    probe.py       CommProbe: every collective's bytes, start, end, and whether it was waited on
+    learner.py     a learner's code that raises, hangs or is not written yet, told apart
+    ddp_rank.py    inside a rank: drive a DDP wrapper;    checks_ddp.py, traffic.py: judge what it did
+    zero_rank.py   inside a rank: drive an optimizer;     checks_zero.py: judge it; holdings.py: state it holds
+    speeds.py      wrappers side by side on a tiny GPT-2 (TorchDDP: torch's DDP behind the same interface)
+    zero_runs.py   optimizer state per rank at several world sizes; training curves
+    pipe_rank.py   inside a rank: drive a two-stage pipeline step;  checks_pipeline.py: judge it, one_f_one_b
+    charts.py      timeline, bucket_sweep, state_per_rank
+    blanks.py      blank copies of a lesson (also: python -m labkit.exercises blank NOTEBOOK)
+"""
+from .blanks import blank_copy
+from .checknet import CheckNet
+from .checks_ddp import check_ddp
+from .checks_pipeline import check_pipeline, one_f_one_b
+from .checks_zero import check_sharded_optimizer
+from .holdings import state_holdings
+from .references import BucketedDDP, NaiveDDP, OverlapDDP, ShardedOptimizer, plan_buckets
+from .report import ExerciseFailed, Finding, Report, blank_mode
+
+__all__ = ["check_ddp", "check_sharded_optimizer", "check_pipeline", "one_f_one_b", "NaiveDDP", "OverlapDDP", "BucketedDDP", "ShardedOptimizer",
+           "plan_buckets", "Report", "Finding", "ExerciseFailed", "blank_mode", "blank_copy", "CheckNet",
+           "state_holdings"]

@@ -1,0 +1,344 @@
+"""Pipeline parallelism, measured: each rank's timeline, its bubble, the activations it holds, the messages it sends.
+
+    from labkit.tricks import pipeline as pp
+    run = pp.run_pipeline(pp.lesson_config("GPipe", microbatches=4))   # each rank pinned to a core of its own
+    pp.bubble(run)                      # idle / makespan, per rank, median over the steady steps (measured)
+    pp.summary(run)                     # the slowest stage's bubble, its idle between actions, the message wait...
+    pp.bubble_table(runs)               # one row per run: those, with the formula to set beside them
+    pp.gpipe_bubble(2, 4)               # (p - 1) / (m + p - 1): the formula
+    pp.held(run)                        # {stage: (microbatches in flight at most, bytes autograd saved for them)}
+    pp.messages(run)                    # point-to-point sends and bytes per step on each rank (counted)
+    pp.timeline([run, ...])             # a figure: each rank's F / B / I / W actions as they ran
+    failure, where = pp.mismatched_microbatches()   # the hang, bounded and named by stage and action
+    failure, saw = pp.without_numpy()   # shape inference on a rank without numpy: what each rank reported
+
+Definitions used throughout (labkit/training/parallel/pipetrace.py): the makespan of a step runs from its first
+action's start on any rank to its last action's end on any rank; a rank's bubble is the part of it in which that
+rank was not computing. Waiting for a peer's activations or gradients is idle, as is the time the messages take.
+The pipeline's bubble is its slowest stage's (the rank that computed longest sets the pace; a faster one idles
+more, by the stage imbalance, shown beside it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any, Sequence
+
+import pandas as pd
+import psutil
+import torch
+import torch.distributed.pipelining  # noqa: F401 - imported once here, so forked ranks start with it
+from matplotlib.figure import Figure
+
+from ..config import RunConfig, V_SCHEDULES
+from ..measure import CpuMeter, pin_rank, pinned_to
+from ..records import Run
+from ..rundir import RunDir
+from ..run import RankFailure
+from ..run.launch import launch
+from ..training.loop import train
+from ..training.tasks import make_task
+from ..training.parallel.pipestep import now_path, read_now
+from ..training.parallel.pipetrace import (bubble_fractions, gpipe_bubble, in_flight, interleaved_bubble,
+                                           message_waits, step_summary)
+from ..training.parallel.strategies import COUNTED_STEPS
+from ..view import COLORS, new_figure, shown
+
+__all__ = ["Sweep", "lesson_config", "run_pipeline", "pinned_train", "bubble", "bubbles", "summary", "formula", "held",
+           "messages", "timeline", "gpipe_bubble", "interleaved_bubble", "mismatched_microbatches", "mismatched_sizes",
+           "where_stages_were", "failure_line", "bubble_table", "their_models", "parameter_copies", "without_numpy",
+           "ranks_left", "message_waits"]
+
+KIND_COLORS = {"F": COLORS[0], "B": COLORS[1], "I": COLORS[3], "W": COLORS[2]}
+STEADY_FROM = COUNTED_STEPS  # steps 0..2 infer shapes, check gradients and count messages at the dispatcher
+# (which slows every op): the bubble is read from the steps after them
+LOOPED_FORMULA = ("Interleaved1F1B", "LoopedBFS")  # (p-1)/(v m + p-1): the ramp, in chunks of 1/v, paid once
+
+
+def lesson_config(schedule: str = "GPipe", *, microbatches: int = 4, world_size: int = 2, **fields: Any) -> RunConfig:
+    """The lesson's pipeline: tinylm's small GPT-2 (width 128), 4 blocks, 64 samples of 32 tokens per step:
+    lesson_config("1F1B", microbatches=8). Sized so that at 4 microbatches a stage's forward of one microbatch is
+    well above what a message between the ranks waits, or the bubble measured would be mostly messages: summary(run)
+    measures both, and lesson 18 asserts their ratio where it compares a bubble with its formula."""
+    v = 2 if schedule in V_SCHEDULES or schedule not in ("GPipe", "1F1B") else 1
+    base = {"task": "tinylm", "strategy": "pp", "world_size": world_size, "model_size": "small", "layers": 4,
+            "global_batch": 64,
+            "seq_len": 32, "microbatches": microbatches, "pipeline_schedule": schedule, "stages_per_rank": v,
+            "steps": 6, "lr": 3e-3, "tensorboard": False, "save_final": False,
+            "name": f"{schedule} m{microbatches}"}
+    return RunConfig(**{**base, **fields})
+
+
+def pinned_train(ctx: Any) -> None:
+    """labkit's loop, with this rank first pinned to a core of its own (measure.pin_rank)."""
+    pin_rank(ctx.rank)
+    train(ctx, ctx.config)
+
+
+def run_pipeline(config: RunConfig, *, pinned: bool = True, timeout: float = 60.0, runs_root: Any = None) -> Run:
+    """Train `config` (strategy "pp"), each rank on its own core when `pinned`; the Run."""
+    return launch(pinned_train if pinned else train, config=config, timeout=timeout, echo=False, progress=False,
+                  runs_root=runs_root, name=config.name or None)
+
+
+class Sweep:
+    """Pipeline runs made one after another on the first `cores` cores, each rank pinned to one of them, with the
+    other programs on those cores metered: what measure.gated needs (`others`, `again()`).
+
+        sweep = Sweep([lesson_config("GPipe", microbatches=m) for m in (1, 2, 4, 8)])
+        sweep.table                     # bubble_table of the runs;  sweep.runs: the Runs
+    """
+
+    def __init__(self, configs: Sequence[RunConfig], *, cores: int = 2, runs_root: Any = None):
+        self.configs, self.cores, self.runs_root = list(configs), cores, runs_root
+        self._measure()
+
+    def _measure(self) -> None:
+        with pinned_to(self.cores), CpuMeter() as meter:
+            start = time.time()
+            self.runs = [run_pipeline(c, runs_root=self.runs_root) for c in self.configs]
+            end = time.time()
+        self.others = meter.cores_busy(start, end)[1]
+        self.table = bubble_table(self.runs)
+
+    def again(self) -> "Sweep":
+        return Sweep(self.configs, cores=self.cores, runs_root=self.runs_root)
+
+
+def step_actions(run: Run, step: int) -> dict[int, list]:
+    """{rank: its actions at `step`}, as recorded (pipetrace's rows)."""
+    rows = run.df[run.df.step == step]
+    return {int(r.rank): list(r.pp_actions) for r in rows.itertuples()}
+
+
+def bubbles(run: Run) -> pd.DataFrame:
+    """One row per steady step and rank: the bubble fraction measured from that step's timestamps."""
+    rows = []
+    for step in sorted(run.df.step.unique()):
+        if step >= STEADY_FROM:
+            rows += [{"step": int(step), "rank": r, "bubble": f}
+                     for r, f in bubble_fractions(step_actions(run, step)).items()]
+    return pd.DataFrame(rows)
+
+
+def bubble(run: Run) -> dict[int, float]:
+    """{rank: median bubble fraction over the steady steps}."""
+    table = bubbles(run)
+    return {int(r): float(g.bubble.median()) for r, g in table.groupby("rank")}
+
+
+def summary(run: Run) -> dict[str, float]:
+    """The medians over the steady steps of pipetrace.step_summary: bubble (the slowest stage's rank's), between
+    (its idle between actions: messages and the schedule's own work), mean (over ranks), imbalance (mean - bubble),
+    wait_ms (one message's wait) and f_ms (one forward action)."""
+    rows = pd.DataFrame([step_summary(step_actions(run, step)) for step in sorted(run.df.step.unique())
+                         if step >= STEADY_FROM])
+    out = rows.median().to_dict()
+    out["wait_ms"], out["f_ms"] = out.pop("wait_s") * 1e3, out.pop("f_s") * 1e3
+    return out
+
+
+def formula(config: RunConfig) -> float:
+    """The bubble the schedule's papers give, as a fraction of the step with equal stages and no message costs:
+    (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v m+p-1) for Interleaved1F1B and LoopedBFS; NaN for the zero-bubble
+    and DualPipe schedules, whose models need the F, I and W times (their_models)."""
+    p, v, m = config.pipeline_dims[1], config.stages_per_rank, config.microbatches
+    if config.pipeline_schedule in ("GPipe", "1F1B"):
+        return gpipe_bubble(p, m)
+    return interleaved_bubble(p, m, v) if config.pipeline_schedule in LOOPED_FORMULA else float("nan")
+
+
+def bubble_table(runs: Sequence[Run]) -> pd.DataFrame:
+    """Per run: schedule, p (ranks), v, m, the bubble measured (the slowest stage's), the part of it between
+    actions, the mean over ranks, the stage imbalance, a message's wait against a forward's, and the formula."""
+    out = []
+    for run in runs:
+        c, got = run.config, summary(run)
+        out.append({"run": c.name, "schedule": c.pipeline_schedule, "p": c.pipeline_dims[1], "v": c.stages_per_rank,
+                    "m": c.microbatches, "measured": got["bubble"], "between actions": got["between"],
+                    "mean over ranks": got["mean"], "imbalance": got["imbalance"], "wait (ms)": got["wait_ms"],
+                    "forward (ms)": got["f_ms"], "formula": formula(c)})
+    return pd.DataFrame(out)
+
+
+def their_models(ranks: int, microbatches: int) -> pd.DataFrame:
+    """The bubbles and memory two READMEs tabulate, as their authors state them (their models, not measurements):
+    the zero-bubble paper's (Qi et al., 2024; sail-sg/zero-bubble-pipeline-parallelism: a bubble *rate*, idle over
+    compute, with F = I = W) and DeepSeek's DualPipe (a bubble *time*: F, B, W one chunk's forward, full backward
+    and weight-gradient times, F&B a forward and a backward overlapped). The rates are turned into our terms, idle
+    over the whole step, at `ranks` and `microbatches`; NaN where a table gives a time only."""
+    p, m = ranks, microbatches
+    zb, dp = "zero-bubble README", "DualPipe README"
+    rows = [("1F1B", "(PP-1)(F+B); rate (p-1)/m", gpipe_bubble(p, m), "PP microbatches", "1x", "1x", f"{dp}, {zb}"),
+            ("ZB1P", "(PP-1)(F+B-2W); rate (p-1)/3m", (p - 1) / (3 * m + p - 1), "as 1F1B", "1x", "1x", f"{dp}, {zb}"),
+            ("ZBV", "rate 0", 0.0, "as 1F1B", "", "2x 1F1B's", zb),
+            ("DualPipe", "(PP/2-1)(F&B+B-3W)", float("nan"), "PP+1 microbatches", "2x", "", dp),
+            ("DualPipeV", "(PP/2-1)(F&B+B-3W), PP/2 ranks", float("nan"), "PP+1 microbatches", "2x", "", dp)]
+    return pd.DataFrame(rows, columns=["method", "bubble (their terms)", f"bubble, idle/step at p={p} m={m}",
+                                       "activations", "parameters", "pipeline messages", "source"]).set_index("method")
+
+
+def parameter_copies(run: Run) -> float:
+    """How many copies of the model's parameters the run's ranks held together: the sum of their param_bytes (as
+    recorded) over the whole model's (1.0: each parameter on one rank; a tied embedding held at both ends adds a
+    little):  parameter_copies(dualpipev_run) -> 1.0."""
+    first = run.df[run.df.step == run.df.step.min()]
+    model = make_task(run.config, 1).build_model()
+    return float(first.param_bytes.sum() / sum(p.numel() * p.element_size() for p in model.parameters()))
+
+
+def held(run: Run, step: int | None = None) -> dict[int, tuple[int, int]]:
+    """{stage: (most microbatches in flight at once, most bytes autograd saved for them)}, replayed from one step's
+    actions (the last step by default); exact counts, the same on every run of the config."""
+    step = int(run.df.step.max()) if step is None else step
+    return in_flight([a for actions in step_actions(run, step).values() for a in actions])
+
+
+def messages(run: Run) -> pd.DataFrame:
+    """Point-to-point messages per step on each rank at the last counted step (after shape inference): sends,
+    receives, bytes sent; plus the all-reduces (tied embedding, replicas)."""
+    df = run.df.dropna(subset=["n_send"]) if "n_send" in run.df else run.df.iloc[:0]
+    last = df[df.step == df.step.max()]
+    cols = [c for c in ("n_send", "bytes_send", "n_recv", "bytes_recv", "n_all_reduce", "bytes_all_reduce")
+            if c in last]
+    return last.set_index("rank")[cols].fillna(0).astype(int)
+
+
+@shown
+def timeline(runs: Sequence[Run], *, step: int | None = None, title: str | None = None) -> Figure:
+    """Each run's ranks, one row each, with their actions at `step` (the last by default) as bars in time, from
+    the step's first action: F blue, B red, I (backward for inputs) orange, W (weights) green."""
+    runs = list(runs)
+    fig = new_figure(figsize=(9, 1.0 + 0.9 * sum(r.config.world_size for r in runs)))
+    ax = fig.add_subplot(1, 1, 1)
+    y, ticks = 0, []
+    for run in runs:
+        at = int(run.df.step.max()) if step is None else step
+        actions = step_actions(run, at)
+        start = min(a[3] for acts in actions.values() for a in acts)
+        fractions = bubble_fractions(actions)
+        for rank in sorted(actions):
+            for kind, stage, mb, t0, t1, _ in actions[rank]:
+                ax.broken_barh([((t0 - start) * 1e3, (t1 - t0) * 1e3)], (y - 0.4, 0.8), color=KIND_COLORS[kind])
+                if (t1 - t0) * 1e3 > 0.04 * _span(actions):
+                    ax.text((t0 + t1 - 2 * start) * 5e2, y, f"{mb}", ha="center", va="center", fontsize=7,
+                            color="white")
+            ticks.append((y, f"{run.config.name} · rank {rank} (bubble {fractions[rank]:.0%})"))
+            y += 1
+        y += 0.5
+    ax.set_yticks([t for t, _ in ticks], [label for _, label in ticks], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms from the step's first action")
+    for kind, color in KIND_COLORS.items():
+        ax.bar(0, 0, color=color, label={"F": "forward", "B": "backward", "I": "backward (inputs)",
+                                         "W": "backward (weights)"}[kind])
+    ax.legend(loc="lower right", fontsize=7, ncol=4)
+    ax.set_title(title or "what each rank computed, as it ran (numbers: microbatch)")
+    return fig
+
+
+def _span(actions: dict[int, list]) -> float:
+    rows = [a for acts in actions.values() for a in acts]
+    return (max(a[4] for a in rows) - min(a[3] for a in rows)) * 1e3
+
+
+def where_stages_were(run_dir: Any, world_size: int) -> dict[int, str]:
+    """{rank: the action its stages were in or had just finished}, as each rank last wrote it."""
+    return {rank: read_now(now_path(run_dir, rank)) for rank in range(world_size)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Disagreeing:
+    """One rank builds its pipeline with other settings than its peers (a config that differs between ranks)."""
+    rank: int
+    changes: dict
+
+    def __call__(self, ctx: Any) -> None:
+        config = ctx.config.replace(**self.changes) if ctx.rank == self.rank else ctx.config
+        train(ctx, config)
+
+
+def mismatched_microbatches(config: RunConfig | None = None, *, rank: int = 0, microbatches: int = 2,
+                            timeout: float = 8.0, runs_root: Any = None) -> tuple[RankFailure, dict[int, str]]:
+    """Run a pipeline whose rank `rank` runs `microbatches` microbatches of the same size where the others run
+    config.microbatches (its batch is smaller by as much): under GPipe the last stage waits for a forward that
+    never comes while the first waits for a gradient. Returns the watchdog's RankFailure and, per rank, the stage
+    and action it was in. (With the same batch cut into fewer, larger microbatches, the shapes disagree instead
+    and the last stage raises on the first step.)"""
+    config = config or lesson_config("GPipe", microbatches=4)
+    rows = config.global_batch // config.microbatches
+    return _expect_failure(config, {"microbatches": microbatches, "global_batch": rows * microbatches}, rank,
+                           timeout, runs_root)
+
+
+def mismatched_sizes(config: RunConfig | None = None, *, rank: int = 1, timeout: float = 8.0,
+                     runs_root: Any = None) -> tuple[RankFailure, dict[int, str]]:
+    """Run a pipeline with fixed shapes whose rank `rank` expects activations of another size (a longer
+    sequence) than the stage before it sends: gloo aborts the receiving process (SIGABRT), as with collectives
+    of mismatched sizes. Returns the RankFailure and where each rank's stages were."""
+    config = config or lesson_config("GPipe", microbatches=4, pipeline_shapes="fixed")
+    return _expect_failure(config.replace(pipeline_shapes="fixed"), {"seq_len": config.seq_len + 8,
+                                                                    "pipeline_check": False}, rank, timeout,
+                           runs_root)
+
+
+def failure_line(failure: RankFailure, where: dict[int, str]) -> str:
+    """The watchdog's verdict with the stage and action of every rank:  print(failure_line(*mismatched_sizes()))."""
+    ranks = "; ".join(f"rank {r}: {text}" for r, text in sorted(where.items()))
+    return f"rank {failure.rank} {failure.reason} at step {failure.step}: {failure.detail} [stages: {ranks}]"
+
+
+def _expect_failure(config: RunConfig, changes: dict, rank: int, timeout: float,
+                    runs_root: Any) -> tuple[RankFailure, dict[int, str]]:
+    try:
+        launch(_Disagreeing(rank, changes), config=config, timeout=timeout, echo=False, progress=False,
+               runs_root=runs_root, name=f"{config.name} rank {rank} {changes}")
+    except RankFailure as failure:
+        return failure, where_stages_were(failure.run_dir, config.world_size)
+    raise AssertionError(f"the pipeline with rank {rank} changed by {changes} finished: expected a failure")
+
+
+@dataclasses.dataclass(frozen=True)
+class _WithoutNumpy:
+    """labkit's loop, with torch.Tensor.numpy raising on one rank what torch raises when numpy is not installed."""
+    rank: int
+
+    def __call__(self, ctx: Any) -> None:
+        if ctx.rank == self.rank:
+            torch.Tensor.numpy = _no_numpy  # this forked rank's torch only
+        train(ctx, ctx.config)
+
+
+def _no_numpy(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("Numpy is not available")  # torch's own words when it was built or run without numpy
+
+
+def without_numpy(config: RunConfig | None = None, *, rank: int = 1, timeout: float = 8.0,
+                  runs_root: Any = None) -> tuple[RankFailure, dict[int, str]]:
+    """Run a pipeline that infers its shapes (pipeline_shapes "inferred") with numpy unusable on rank `rank`, as
+    if it were not installed there: shape inference sends each stage's output shapes as a pickled object
+    (send_object_list / recv_object_list, which read the received bytes through tensor.numpy()). Returns the
+    RankFailure and {rank: what that rank reported}:  failure, saw = without_numpy()."""
+    config = (config or lesson_config("GPipe", microbatches=4)).replace(pipeline_shapes="inferred")
+    try:
+        launch(_WithoutNumpy(rank), config=config, timeout=timeout, echo=False, progress=False, runs_root=runs_root,
+               name=f"{config.name} rank {rank} without numpy")
+    except RankFailure as failure:
+        return failure, {s.rank: s.detail for s in failure.statuses}
+    raise AssertionError(f"the pipeline with numpy unusable on rank {rank} finished: expected a failure")
+
+
+def ranks_left(run_dir: Any) -> list[int]:
+    """The pids of a run's ranks (meta.json records each attempt's) that are still running: [] once the launcher has
+    stopped and reaped them all, as it must, even after a failure."""
+    meta = json.loads(RunDir(run_dir).meta.read_text())
+    pids = [pid for attempt in meta.get("attempts", []) for pid in attempt.get("pids", [])]
+    return [pid for pid in pids if _running(pid)]
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
