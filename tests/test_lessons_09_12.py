@@ -169,7 +169,7 @@ def test_the_collectives_figure_draws_each_rank_and_marks_the_odd_one(runs_root)
 
 
 def test_hangs_timed_measures_on_metered_cores_and_again(runs_root):
-    timed = hangs.timed(("lock",), cores=1, timeout=2.0, debug=hangs.Debug(barrier_s=1.0), runs_root=runs_root)
+    timed = hangs.timed(("lock",), cores=1, timeout=4.0, debug=hangs.Debug(barrier_s=1.0), runs_root=runs_root)
     assert timed.outcomes["lock"].failure.rank == 0 and timed.others >= 0
     assert list(timed.again().outcomes) == ["lock"]
 
