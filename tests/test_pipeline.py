@@ -247,7 +247,7 @@ def test_1f1b_holds_fewer_activations_than_gpipe_and_both_send_one_message_per_m
         assert sent.bytes_send.tolist() == [4 * 4 * 32 * 128 * 4] * 2  # 4 rows x 32 tokens x width 128, fp32
         assert pp.bubble(run).keys() == {0, 1}
         got = pp.summary(run)   # read from the one steady step: fractions of it, and positive times
-        # between == bubble is possible: a slowest rank slowed so much (a busy core) that its peer's work was always
-        # ready before it was free never waited on the peer, and all its idle was between actions
+        # between == bubble is possible: when the slowest rank is slowed so much (a busy core) that its peer's work is
+        # always ready before it is free, it never waits on the peer and all its idle is between actions
         assert 0 < got["between"] <= got["bubble"] < 1 and got["wait_ms"] > 0 and got["f_ms"] > 0
         assert pp.parameter_copies(run) == pytest.approx(1.0, abs=0.02)  # the tied embedding at both ends: +1%
