@@ -231,7 +231,9 @@ def test_shape_inference_without_numpy_names_numpy_on_one_rank_and_a_closed_conn
     failure, saw = pp.without_numpy(pp.lesson_config("GPipe", microbatches=2, global_batch=8), rank=1,
                                     runs_root=tmp_path)
     assert failure.rank == 1 and failure.reason == "raised" and "Numpy is not available" in saw[1]
-    assert "Connection closed by peer" in saw[0]
+    # gloo words the lost connection by when it noticed (as in test_failures): mid-read "Read error ... Connection
+    # reset by peer" (seen once with a core busy), otherwise "Connection closed by peer"
+    assert "Read error" in saw[0] or "Connection closed by peer" in saw[0], saw[0]
     assert pp.ranks_left(failure.run_dir) == []
 
 
