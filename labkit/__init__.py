@@ -30,7 +30,7 @@ from .run import warm as _warm
 # bring pandas, the figures matplotlib, the training loop transformers.
 _LAZY = {"Run": ".records", "load_run": ".records", "launch": ".run", "LaunchError": ".run", "RankFailure": ".run",
          "RankContext": ".run", "NonFiniteLoss": ".training.loop", "train": ".training.loop",
-         "make_task": ".training.tasks"}
+         "make_task": ".training.tasks", "Claims": ".measure", "ClaimFailed": ".measure"}
 
 
 def __getattr__(name: str) -> object:
@@ -79,7 +79,7 @@ def panel(config: RunConfig | None = None, **options):
 
 __all__ = ["RunConfig", "Fault", "ConfigError", "pick", "quick_mode", "launch", "LaunchError", "RankFailure",
            "train", "NonFiniteLoss", "compare", "curves", "panel", "RankContext", "Run", "load_run", "memory",
-           "make_task"]
+           "make_task", "Claims", "ClaimFailed"]
 
 # Last, once this module is whole: in a notebook, the warm process is forked from here now (run/warm.py).
 _warm.start_on_import()

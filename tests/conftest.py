@@ -44,7 +44,7 @@ _session_started = time.time()
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """At the end of the summary: 'gated claims: N checked, M skipped' (py-spy-style not_checked claims among the skipped) from the LABKIT_CLAIMS_LOG file
     (`make test` sets it), and each skipped claim by name, so that a skipped claim is seen, not buried."""
-    from labkit.measure.claims import LOG_ENV, read_log, summary_lines
+    from labkit.measure.claims import LOG_ENV, lesson_lines, read_log, summary_lines
     path = os.environ.get(LOG_ENV)
     if not path:
         return
@@ -54,6 +54,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.section("gated claims", yellow=skipped, bold=skipped)
     for line in lines:
         terminalreporter.write_line(line, yellow=skipped, bold=line is lines[0])
+    per_lesson = lesson_lines(outcomes)
+    if per_lesson:
+        failed = any(o.status == "failed" for o in outcomes)
+        terminalreporter.section("claims per lesson", red=failed, bold=failed)
+        for line in per_lesson:
+            terminalreporter.write_line(line)
 
 
 # --- every lesson under 90 s in quick mode (the developers' guide): a lesson that passes but takes longer fails ----

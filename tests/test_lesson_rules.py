@@ -1,7 +1,7 @@
 """The project's rules, read off every lesson: a timing claim is asserted only inside labkit.measure.gated, and the
 prose never speaks of "this machine's 2 cores" (a learner's machine has other counts; say what the code measured).
 
-What counts as a timing claim: an `assert` whose condition reads a timing quantity, directly (a name like `step_s`,
+What counts as a timing claim: an `assert` (or a `claims.check("...", condition)`) whose condition reads a timing quantity, directly (a name like `step_s`,
 `t_data_ms`, `median_ms`; a column like "ms per step", "cores busy", "others' cores"; a share, a bandwidth, a
 speed, a throughput ratio such as `samples_per_s`) or through a name the notebook computed from one (`t4, t2 =
 ...time_s...`, then `assert t4 > 1.5 * t2`). An assert inside a function that the notebook passes to `gated(...)`
@@ -160,8 +160,17 @@ def gated_functions(trees: list[ast.Module]) -> set[str]:
         out |= more
 
 
+def check_condition(node: ast.AST) -> ast.AST | None:
+    """The condition of a lesson's `claims.check("claim", condition, measured=...)` (or `check(...)`), else None."""
+    if not isinstance(node, ast.Call) or getattr(node.func, "id", getattr(node.func, "attr", None)) != "check":
+        return None
+    if len(node.args) >= 2:
+        return node.args[1]
+    return next((k.value for k in node.keywords if k.arg == "ok"), None)
+
+
 def ungated_timing_asserts(cells: list[str]) -> list[str]:
-    """Each `assert` condition that reads a timing quantity outside a function handed to gated(...).
+    """Each `assert` condition, or condition of a `claims.check(...)`, that reads a timing quantity outside a function handed to gated(...).
 
     The cells are read top to bottom, as they run: a name assigned from a timing quantity (or from such a name)
     is a timing name until it is assigned something else (`s` may be a step time in one cell, a table in the next)."""
@@ -200,6 +209,8 @@ def ungated_timing_asserts(cells: list[str]) -> list[str]:
             bind([node.target], node.iter)
         elif isinstance(node, ast.Assert) and not inside_gate and timing(node.test):
             found.append(ast.unparse(node.test))
+        elif (condition := check_condition(node)) is not None and not inside_gate and timing(condition):
+            found.append(ast.unparse(condition))
         for child in ast.iter_child_nodes(node):
             if isinstance(node, (ast.For, ast.AsyncFor)) and child is node.target:
                 continue
@@ -259,6 +270,14 @@ def test_a_planted_ungated_timing_assert_is_caught(tmp_path):
                                            "assert run.finished and len(counts) == 3\n"))
     assert ungated_timing_asserts(code_cells(planted)) == [
         "ratio > 1.5", "table['cores busy'].iloc[1] < 1.4", "FP32_WIRE_SHARE < 0.25", "same['samples_per_s'] < 1.4"]
+
+
+def test_a_planted_ungated_timing_check_is_caught(tmp_path):
+    planted = _notebook(tmp_path, ("code", "t2, t4 = (float(d.time_s[9]) for d in (a, b))\n"
+                                           "claims.check('4 ranks are slower', t4 > 1.5 * t2, measured=t4 / t2)\n"
+                                           "check('the same loss', gap < 1e-5, measured=t4)\n"
+                                           "claims.check('fast', ok=table['step_ms'].max() < 3)\n"))
+    assert ungated_timing_asserts(code_cells(planted)) == ["t4 > 1.5 * t2", "table['step_ms'].max() < 3"]
 
 
 def test_the_same_assert_inside_a_gated_check_passes(tmp_path):

@@ -37,7 +37,7 @@ def test_busy_then_quiet_is_checked_after_a_retry(log, capsys):
     outcome = gated("fast", lambda m: seen.append(m.value), first, limit=0.3, attempts=3)
     assert outcome.status == "checked" and outcome.attempts == 2 and outcome.others == [0.9, 0.1]
     assert seen == ["quiet"] and len(made) == 2           # the check ran once, on the quiet measurement
-    assert "checked, fast" in capsys.readouterr().out
+    assert "✓ fast — others kept 0.10 cores busy, after 1 busy measurement" in capsys.readouterr().out
     assert [o.status for o in read_log(log)] == ["checked"]
 
 
@@ -46,7 +46,7 @@ def test_always_busy_is_skipped_after_a_bounded_number_of_attempts(log, capsys):
     outcome = gated("slow", lambda m: seen.append(m), Fake([(1.2, None)] * 10, made), limit=0.3, attempts=3)
     assert outcome.status == "skipped" and outcome.attempts == 3 and len(made) == 3 and seen == []
     out = capsys.readouterr().out
-    assert "NOT CHECKED, slow" in out and "1.20 to 1.20 cores" in out
+    assert "○ slow — NOT CHECKED: " in out and "1.20 to 1.20 cores" in out
     row = json.loads(log.read_text())
     assert row["claim"] == "slow" and row["status"] == "skipped" and row["others"] == [1.2, 1.2, 1.2]
 
@@ -152,7 +152,7 @@ def test_waiting_and_measuring_again_share_one_budget_per_process(log, monkeypat
 def test_a_claim_this_machine_cannot_check_is_counted_as_skipped_with_its_reason(log, capsys):
     outcome = claims.not_checked("12: py-spy dumps the ranks", "ptrace is not permitted here")
     assert outcome.status == "skipped" and outcome.attempts == 0
-    assert "NOT CHECKED, 12: py-spy dumps the ranks: ptrace is not permitted here" in capsys.readouterr().out
+    assert "○ 12: py-spy dumps the ranks — NOT CHECKED: ptrace is not permitted here" in capsys.readouterr().out
     assert summary_lines(read_log(log)) == ["gated claims: 0 checked, 1 skipped",
                                             "  SKIPPED: 12: py-spy dumps the ranks -- ptrace is not permitted here"]
     with pytest.raises(ValueError, match="say why"):

@@ -33,7 +33,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -88,6 +90,8 @@ class Outcome:
     limit: float
     reason: str = ""
     time: float = dataclasses.field(default_factory=time.time)
+    measured: str = ""            # what the check showed beside the claim (its return value, for a gated one)
+    kind: str = "gated"           # "gated" (gated, not_checked, checked_unless) or "check" (Claims.check)
 
     @property
     def checked(self) -> bool:
@@ -144,8 +148,7 @@ def gated(claim: str, check: Callable[[Any], None], measured: Any = None, *,
         _retries.spent_s += time.monotonic() - started
     reason = (f"other programs kept {min(seen):.2f} to {max(seen):.2f} cores busy on the pinned cores in "
               f"{len(seen)} measurement{'s' * (len(seen) > 1)} (limit {limit:g}){still}")
-    print(f"NOT CHECKED, {claim}: {reason}")
-    return record(Outcome(claim, "skipped", len(seen), seen, limit, reason))
+    return shout(record(Outcome(claim, "skipped", len(seen), seen, limit, reason)))
 
 
 def not_checked(claim: str, reason: str) -> Outcome:
@@ -153,8 +156,7 @@ def not_checked(claim: str, reason: str) -> Outcome:
     NOT CHECKED:  not_checked("12: py-spy reads the ranks", "ptrace is not permitted in this container")."""
     if not reason:
         raise ValueError(f"claim {claim!r}: say why it cannot be checked here")
-    print(f"NOT CHECKED, {claim}: {reason}")
-    return record(Outcome(claim, "skipped", 0, [], 0.0, reason))
+    return shout(record(Outcome(claim, "skipped", 0, [], 0.0, reason)))
 
 
 def checked_unless(reason: str | None, claim: str, check: Callable[[Any], None], measured: Any = None) -> Outcome:
@@ -164,23 +166,63 @@ def checked_unless(reason: str | None, claim: str, check: Callable[[Any], None],
     if reason:
         return not_checked(claim, reason)
     try:
-        check(measured)
+        said = check(measured)
     except AssertionError as failure:
-        record(Outcome(claim, "failed", 1, [], 0.0, f"{type(failure).__name__}: {failure}"[:500]))
+        shout(record(Outcome(claim, "failed", 1, [], 0.0, f"{type(failure).__name__}: {failure}"[:500])))
         raise
-    print(f"checked, {claim}")
-    return record(Outcome(claim, "checked", 1, [], 0.0))
+    return shout(record(Outcome(claim, "checked", 1, [], 0.0, measured=shown(said))))
 
 
 def _check(claim: str, check: Callable[[Any], None], measurement: Any, seen: list[float], limit: float) -> Outcome:
     try:
-        check(measurement)
+        said = check(measurement)
     except AssertionError as failure:
-        record(Outcome(claim, "failed", len(seen), seen, limit, f"{type(failure).__name__}: {failure}"[:500]))
+        shout(record(Outcome(claim, "failed", len(seen), seen, limit, f"{type(failure).__name__}: {failure}"[:500])))
         raise
     retried = f", after {len(seen) - 1} busy measurement{'s' * (len(seen) > 2)}" if len(seen) > 1 else ""
-    print(f"checked, {claim} (others: {seen[-1]:.2f} cores{retried})")
-    return record(Outcome(claim, "checked", len(seen), seen, limit))
+    quiet = f"others kept {seen[-1]:.2f} cores busy{retried}"
+    measured = f"{shown(said)} ({quiet})" if said is not None else quiet
+    return shout(record(Outcome(claim, "checked", len(seen), seen, limit, measured=measured)))
+
+
+MARK = {"checked": "✓", "failed": "✗", "skipped": "○"}
+
+
+def line(outcome: Outcome) -> str:
+    """One outcome in one line, as lessons print it: '✓ 07: the claim — max gap 3.1e-06', '○ 05: the claim —
+    NOT CHECKED: why', '✗ 09: the claim — measured: ...'."""
+    tail = outcome.measured if outcome.status == "checked" else (
+        f"NOT CHECKED: {outcome.reason}" if outcome.status == "skipped" else outcome.reason)
+    return f"{MARK[outcome.status]} {outcome.claim}" + (f" — {tail}" if tail else "")
+
+
+def shout(outcome: Outcome) -> Outcome:
+    """Print the outcome's line and return it."""
+    print(line(outcome))
+    return outcome
+
+
+def shown(value: Any) -> str:
+    """A measured value as one short piece of text:  shown(3.1e-06) -> '3.1e-06'; shown({'a': 1.5}) -> 'a 1.5'."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, numbers.Integral):
+        return str(int(value))
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        return f"{value:.4g}" if math.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {shown(v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return ", ".join(shown(v) for v in value)
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:   # a numpy or torch scalar
+        return shown(value.item())
+    return str(value)
+
 
 
 def record(outcome: Outcome, path: str | Path | None = None) -> Outcome:
@@ -202,10 +244,26 @@ def read_log(path: str | Path, since: float = 0.0) -> list[Outcome]:
     return [Outcome(**row) for row in rows if row.get("time", 0.0) >= since]
 
 
+LESSON_OF = re.compile(r"^(\d\d[a-z]?): ")
+
+
+def lesson_lines(outcomes: list[Outcome]) -> list[str]:
+    """Per lesson, its claims checked, failed and not checked (gated or not), from the claims' '07: ' prefixes:
+    lesson_lines(read_log(path)) -> ['lesson 07: 14 checked, 0 failed, 1 not checked', ...]."""
+    per: dict[str, dict[str, int]] = {}
+    for o in outcomes:
+        found = LESSON_OF.match(o.claim)
+        counts = per.setdefault(found.group(1) if found else "other", {"checked": 0, "failed": 0, "skipped": 0})
+        counts[o.status] += 1
+    return [f"lesson {key}: {c['checked']} checked, {c['failed']} failed, {c['skipped']} not checked"
+            for key, c in sorted(per.items())]
+
+
 def summary_lines(outcomes: list[Outcome]) -> list[str]:
     """'gated claims: N checked, M skipped', then each skipped claim with its reason (and any failed); the speed
     claims skipped for busy cores and the claims this machine cannot check (not_checked) are counted alike:
     summary_lines(read_log(path))."""
+    outcomes = [o for o in outcomes if o.kind == "gated"]   # lesson_lines counts every claim
     by = {status: [o for o in outcomes if o.status == status] for status in ("checked", "skipped", "failed")}
     head = f"gated claims: {len(by['checked'])} checked, {len(by['skipped'])} skipped"
     head += f", {len(by['failed'])} failed" if by["failed"] else ""
