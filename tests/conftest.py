@@ -56,10 +56,42 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(line, yellow=skipped, bold=line is lines[0])
     per_lesson = lesson_lines(outcomes)
     if per_lesson:
-        failed = any(o.status == "failed" for o in outcomes)
+        short = claims_below_floor(outcomes)
+        failed = any(o.status == "failed" for o in outcomes) or bool(short)
         terminalreporter.section("claims per lesson", red=failed, bold=failed)
         for line in per_lesson:
             terminalreporter.write_line(line)
+        for line in short:
+            terminalreporter.write_line(line, red=True, bold=True)
+
+
+# --- no claim dropped: a lesson in the form logs at least as many claims as it had asserts (less the removed) ----
+
+CLAIMS_FLOOR = os.path.join(os.path.dirname(__file__), "claims_floor.json")
+
+
+def claims_below_floor(outcomes) -> list[str]:
+    """For each lesson that logged claims in this session, fewer than tests/claims_floor.json holds for it: one line
+    each. The floor is the lesson's assert count before it was written in the lesson form, less the asserts removed
+    because they could not fail (the file says which)."""
+    import json
+    from labkit.measure.claims import LESSON_OF
+    floors = json.loads(open(CLAIMS_FLOOR).read())["floor"]
+    counts: dict[str, int] = {}
+    for o in outcomes:
+        found = LESSON_OF.match(o.claim)
+        if found:
+            counts[found.group(1)] = counts.get(found.group(1), 0) + 1
+    return [f"lesson {lesson}: {n} claims logged, fewer than its floor of {floors[lesson]} (tests/claims_floor.json)"
+            for lesson, n in sorted(counts.items()) if lesson in floors and n < floors[lesson]]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A lesson that logged fewer claims than its floor fails the run (make test), even when every cell passed."""
+    from labkit.measure.claims import LOG_ENV, read_log
+    path = os.environ.get(LOG_ENV)
+    if path and claims_below_floor(read_log(path, since=_session_started)) and session.exitstatus == 0:
+        session.exitstatus = 1
 
 
 # --- every lesson under 90 s in quick mode (the developers' guide): a lesson that passes but takes longer fails ----

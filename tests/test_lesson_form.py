@@ -1,0 +1,113 @@
+"""The lesson form (issue 27), read off every lesson written in it: a header that says what you will learn, what you
+need and how long it takes; the torch API called in a code cell; at least two predict-then-run questions with their
+answers folded; one Claims object numbered like the file; the claims' closing table; a recap and further reading
+with links; no code cell over 25 lines.
+
+Lessons not yet in the form are listed in NOT_YET; the list only shrinks (an entry for a lesson that is in the form
+fails, so it cannot rot)."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+LESSONS = sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb") if not p.name.endswith(".blank.ipynb"))
+NOT_YET = {"11", "12", "13", "14", "15", "16", "17", "18", "19", "20"}   # issue 28 brings these into the form
+MAX_CELL_LINES = 25
+# The torch API a lesson is about, called (not only imported) in a code cell: the same pattern lesson-metrics reads.
+API = re.compile(r"\b(dist\.(all_reduce|all_gather|broadcast|reduce_scatter|all_to_all|send|recv|isend|irecv|barrier|"
+                 r"init_process_group|new_group|monitored_barrier|get_rank|get_backend|get_world_size)|"
+                 r"torch\.distributed|DistributedDataParallel|DDP\(|fully_shard|init_device_mesh|parallelize_module|"
+                 r"ColwiseParallel|RowwiseParallel|PipelineStage|Schedule[A-Z0-9]\w+|DistributedSampler|Join\(|"
+                 r"all_to_all_single|ZeroRedundancyOptimizer|register_comm_hook|no_sync\(|dcp\.|GradScaler|autocast|"
+                 r"clip_grad_norm_|_scaled_mm|context_parallel|DataLoader\(|manual_seed|lr_scheduler)")
+
+
+def cells(lesson: Path, kind: str) -> list[str]:
+    return ["".join(c["source"]) for c in json.loads(lesson.read_text())["cells"] if c["cell_type"] == kind]
+
+
+def calls(code: str) -> str:
+    """A code cell without import lines and comments: an import alone shows no API in use."""
+    return "\n".join(line.split("#")[0] for line in code.splitlines() if not re.match(r"\s*(import|from)\s", line))
+
+
+def form_problems(lesson: Path) -> list[str]:
+    """What the lesson lacks of the form, in words (empty: it is in the form)."""
+    md, code = cells(lesson, "markdown"), cells(lesson, "code")
+    header, text, number = (md[0] if md else ""), "\n\n".join(md), lesson.name[:2]
+    problems = []
+    for need, pattern in [("You will learn", r"you will learn"), ("You need", r"you need"),
+                          ("Time (quick and full)", r"\btime\b.{0,80}quick.{0,80}full"),
+                          ("The folklore", r"folklore")]:
+        if not re.search(pattern, header, re.I | re.S):
+            problems.append(f"the header (first cell) lacks '{need}'")
+    if not re.search(r"^#+\s*Recap\b", text, re.M):
+        problems.append("no '## Recap'")
+    if not re.search(r"^#+\s*Further reading\b", text, re.M) or len(re.findall(r"\]\(https?://", text)) < 2:
+        problems.append("no '## Further reading' with at least 2 links")
+    predicts = sum(bool(re.search(r"\*\*Predict\.?\*\*", m)) for m in md)
+    answers = sum("<details>" in m for m in md)
+    if predicts < 2 or answers < predicts:
+        problems.append(f"{predicts} '**Predict.**' questions and {answers} folded answers (need >= 2, each answered)")
+    if not any(API.search(calls(c)) for c in code):
+        problems.append("no code cell calls the torch API the lesson is about")
+    if not any(re.search(rf"Claims\(\s*['\"]{number}['\"]\s*\)", c) for c in code):
+        problems.append(f"no Claims({number!r})")
+    if not any(re.search(r"\.table\(\)", c) for c in code):
+        problems.append("no closing claims.table()")
+    long = [sum(1 for line in c.splitlines() if line.strip()) for c in code]
+    if long and max(long) > MAX_CELL_LINES:
+        problems.append(f"a code cell of {max(long)} lines (at most {MAX_CELL_LINES})")
+    return problems
+
+
+@pytest.mark.parametrize("lesson", [p for p in LESSONS if p.name[:2] not in NOT_YET], ids=lambda p: p.stem)
+def test_the_lesson_is_in_the_form(lesson):
+    problems = form_problems(lesson)
+    assert not problems, f"{lesson.name}: " + "; ".join(problems)
+
+
+def test_the_list_of_lessons_not_yet_in_the_form_only_shrinks():
+    done = [p.name for p in LESSONS if p.name[:2] in NOT_YET and not form_problems(p)]
+    assert not done, f"in the form now, so remove them from NOT_YET: {done}"
+
+
+def test_a_lesson_out_of_form_is_named_for_what_it_lacks(tmp_path):
+    planted = tmp_path / "07_planted.ipynb"
+    planted.write_text(json.dumps({"cells": [
+        {"cell_type": "markdown", "source": "# 07 · A lesson\n**You will learn**\n- x", "metadata": {}},
+        {"cell_type": "code", "source": "claims = labkit.Claims('07')\n" + "x = 1\n" * 30, "metadata": {}}],
+        "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    problems = form_problems(planted)
+    assert "the header (first cell) lacks 'You need'" in problems and "no '## Recap'" in problems
+    assert "no code cell calls the torch API the lesson is about" in problems
+    assert "a code cell of 31 lines (at most 25)" in problems and "no Claims('07')" not in problems
+
+
+# --- no claim dropped (tests/claims_floor.json, enforced by conftest at the end of make test) ----------------------
+
+def test_each_floor_is_the_asserts_before_less_the_ones_removed_with_a_reason():
+    data = json.loads((Path(__file__).parent / "claims_floor.json").read_text())
+    for lesson, floor in data["floor"].items():
+        removed = data["removed"].get(lesson, [])
+        assert all(isinstance(r, str) and len(r) > 20 for r in removed), f"lesson {lesson}: say why each went"
+        assert floor == data["before"][lesson] - len(removed), f"lesson {lesson}: floor {floor}"
+    in_form = {p.name[:2] for p in LESSONS if p.name[:2] not in NOT_YET}
+    assert in_form <= set(data["floor"]), f"lessons in the form without a floor: {sorted(in_form - set(data['floor']))}"
+
+
+def test_a_lesson_below_its_floor_is_named():
+    from labkit.measure.claims import Outcome
+    from tests.conftest import claims_below_floor
+    data = json.loads((Path(__file__).parent / "claims_floor.json").read_text())
+    lesson = next(iter(data["floor"]), None)
+    if lesson is None:
+        pytest.skip("no lesson has a floor yet")
+    few = [Outcome(f"{lesson}: claim {i}", "checked", 1, [], 0.0, kind="check") for i in range(data["floor"][lesson] - 1)]
+    assert claims_below_floor(few) == [f"lesson {lesson}: {len(few)} claims logged, fewer than its floor of "
+                                       f"{data['floor'][lesson]} (tests/claims_floor.json)"]
+    assert claims_below_floor(few + [Outcome(f"{lesson}: one more", "skipped", 0, [], 0.0)]) == []
