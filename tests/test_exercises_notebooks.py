@@ -1,5 +1,7 @@
-"""Blank mode end to end: a blank copy of each exercise lesson runs from top to bottom (quick mode), every checker
-saying what is not written yet instead of stopping the notebook, the later cells going on with labkit's reference."""
+"""Both paths through the exercise lessons. The lessons ship their ✏️ cells as stubs (make test runs them as they
+are: every checker says NOT WRITTEN YET and the lesson goes on with labkit's reference). Here, the solved path: a
+copy with each folded solution put in its cell runs from top to bottom (quick mode), every checker passing; and
+lesson 18's folded solution, run through its checker on real ranks."""
 import json
 from pathlib import Path
 
@@ -7,28 +9,74 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from labkit.exercises import blank_copy
+from labkit import exercises as ex
+from labkit.exercises import blanks
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+EXERCISE_LESSONS = ["16_build_ddp_yourself.ipynb", "17_build_zero_yourself.ipynb", "18_pipeline_parallel.ipynb"]
+
+
+def checker_cells(notebook) -> int:
+    return sum("ex.check_" in cell.source and ".use(" in cell.source for cell in notebook.cells
+               if cell.cell_type == "code")
+
+
+@pytest.mark.parametrize("lesson", EXERCISE_LESSONS)
+def test_a_lesson_ships_stubs_with_each_solution_folded_after_its_checker(lesson, tmp_path):
+    cells = json.loads((NOTEBOOKS / lesson).read_text())["cells"]
+    exercises = [i for i, cell in enumerate(cells) if blanks.is_exercise(cell)]
+    assert exercises
+    for index in exercises:
+        stub = "".join(cells[index]["source"])
+        checker = blanks._checker_after(cells, index)
+        solution = blanks.solution_of(cells[checker + 1])
+        assert solution and "NotImplementedError" not in solution and "<details>" in "".join(cells[checker + 1]["source"])
+        compile(solution, lesson, "exec")
+        assert "NotImplementedError" in stub and stub == blanks.blank_source(solution.rstrip("\n"))   # its stub
+    # and writing it first again changes nothing
+    again = blanks.write_first(NOTEBOOKS / lesson, tmp_path / lesson)
+    assert json.loads(again.read_text())["cells"] == cells
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("lesson", ["16_build_ddp_yourself.ipynb", "17_build_zero_yourself.ipynb"])
-def test_a_blank_copy_runs_through_and_reports_what_is_missing(lesson, tmp_path, monkeypatch, no_leftovers):
+@pytest.mark.parametrize("lesson", EXERCISE_LESSONS[:2])
+def test_the_solved_copy_runs_through_and_every_checker_passes(lesson, tmp_path, monkeypatch, no_leftovers):
     monkeypatch.setenv("LABKIT_QUICK", "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.setenv("LABKIT_RUNS", str(tmp_path / "runs"))
-    copy = blank_copy(NOTEBOOKS / lesson, tmp_path / lesson)
+    monkeypatch.delenv("LABKIT_CLAIMS_LOG", raising=False)   # the solved copy's claims are not the lesson's count
+    copy = ex.solved_copy(NOTEBOOKS / lesson, tmp_path / lesson)
     notebook = nbformat.read(copy, as_version=4)
     NotebookClient(notebook, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
     text = "\n".join(output.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
                      for output in cell.outputs)
-    checkers = sum("ex.check_" in cell.source and "= ex.check_" in cell.source and ".use(" in cell.source
-                   for cell in notebook.cells if cell.cell_type == "code")
-    assert checkers >= 1
-    assert text.count("NOT WRITTEN YET") == checkers, text
-    assert text.count("[blank mode] the cells below use labkit's") == checkers, text
-    assert "blank mode: True" in text
+    assert checker_cells(notebook) >= 1
+    assert "NOT WRITTEN YET" not in text and "not written yet" not in text, text
+    assert text.count(": PASSED") >= checker_cells(notebook), text
     assert not any(o.get("output_type") == "error" for c in notebook.cells if c.cell_type == "code" for o in c.outputs)
-    assert json.loads(copy.read_text())["cells"][0]["cell_type"] == "code"
+
+
+def test_lesson_18s_folded_solution_passes_its_checker(monkeypatch, runs_root, no_leftovers):
+    monkeypatch.setenv("LABKIT_RUNS", str(runs_root))
+    cells = json.loads((NOTEBOOKS / EXERCISE_LESSONS[2]).read_text())["cells"]
+    (index,) = [i for i, cell in enumerate(cells) if blanks.is_exercise(cell)]
+    solution = blanks.solution_of(cells[blanks._checker_after(cells, index) + 1])
+    namespace: dict = {}
+    exec(compile(solution, "lesson 18's solution", "exec"), namespace)
+    report = ex.check_pipeline(namespace["my_1f1b"])
+    assert report.ok, report.text()
+    assert report.use(ex.one_f_one_b) is namespace["my_1f1b"]
+
+
+def test_a_stub_not_written_yet_is_said_and_the_reference_used_while_wrong_code_stops(monkeypatch, capsys):
+    monkeypatch.delenv("LABKIT_EXERCISES", raising=False)
+    stub = ex.Report("Yours on 2 ranks", implementation="stub")
+    stub.add("gradients", "missing", "finish_gradient_synchronization is not written yet")
+    assert stub.use("reference") == "reference"
+    assert "[not written yet] the cells below use labkit's reference until yours passes." in capsys.readouterr().out
+    wrong = ex.Report("Yours on 2 ranks", implementation="wrong")
+    wrong.add("gradients", "missing", "forward is not written yet")
+    wrong.add("gradients", "fail", "gradients are summed, not averaged")
+    with pytest.raises(ex.ExerciseFailed, match="summed, not averaged"):
+        wrong.use("reference")

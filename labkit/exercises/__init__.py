@@ -8,7 +8,8 @@
     report = ex.check_pipeline(my_1f1b)                       # 1F1B for two stages with send/recv
     print(report); report.measured                            # what was checked, and the numbers behind it
     MyDDP = report.use(ex.NaiveDDP)                           # yours if it passed (blank mode: the reference)
-    ex.blank_copy("notebooks/16_build_ddp_yourself.ipynb")    # the lesson with its ✏️ cells emptied
+    ex.solved_copy("notebooks/16_build_ddp_yourself.ipynb", "16.solved.ipynb")   # the folded solutions put in
+    ex.blank_copy("notebooks/16_build_ddp_yourself.ipynb")    # a copy in blank mode (wrong code said, not raised)
 
 The interface (that of well-known course assignments): a wrapper whose constructor broadcasts rank 0's parameters
 and which has finish_gradient_synchronization() to call after backward(); a bucketed variant taking
@@ -25,9 +26,9 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     zero_runs.py   optimizer state per rank at several world sizes; training curves
     pipe_rank.py   inside a rank: drive a two-stage pipeline step;  checks_pipeline.py: judge it, one_f_one_b
     charts.py      timeline, bucket_sweep, state_per_rank
-    blanks.py      blank copies of a lesson (also: python -m labkit.exercises blank NOTEBOOK)
+    blanks.py      stubs first, solutions folded; solved and blank copies (python -m labkit.exercises ...)
 """
-from .blanks import blank_copy
+from .blanks import blank_copy, solved_copy, write_first
 from .checknet import CheckNet
 from .checks_ddp import check_ddp
 from .checks_pipeline import check_pipeline, one_f_one_b
@@ -37,5 +38,5 @@ from .references import BucketedDDP, NaiveDDP, OverlapDDP, ShardedOptimizer, pla
 from .report import ExerciseFailed, Finding, Report, blank_mode
 
 __all__ = ["check_ddp", "check_sharded_optimizer", "check_pipeline", "one_f_one_b", "NaiveDDP", "OverlapDDP", "BucketedDDP", "ShardedOptimizer",
-           "plan_buckets", "Report", "Finding", "ExerciseFailed", "blank_mode", "blank_copy", "CheckNet",
+           "plan_buckets", "Report", "Finding", "ExerciseFailed", "blank_mode", "blank_copy", "solved_copy", "write_first", "CheckNet",
            "state_holdings"]

@@ -1,7 +1,15 @@
-"""Start a lesson from blanks: copy a notebook with the bodies of its ✏️ exercise cells emptied.
+"""Write first, then read the answer: the ✏️ exercise cells of a lesson ship as stubs, each answer folded below its
+checker; and the copies that tests and learners need.
 
-    blank_copy("notebooks/16_build_ddp_yourself.ipynb")   # -> notebooks/16_build_ddp_yourself.blank.ipynb
-    python -m labkit.exercises blank notebooks/16_build_ddp_yourself.ipynb      # the same, from a terminal
+    write_first("notebooks/16_build_ddp_yourself.ipynb")  # stubs in the ✏️ cells, each solution folded after its checker
+    solved_copy("notebooks/16_build_ddp_yourself.ipynb", "/tmp/16.solved.ipynb")   # the solutions put back (CI runs it)
+    blank_copy("notebooks/16_build_ddp_yourself.ipynb")   # -> 16_build_ddp_yourself.blank.ipynb, in blank mode
+    python -m labkit.exercises blank|solved|write-first NOTEBOOK [--out PATH]     # the same, from a terminal
+
+A lesson's ✏️ cell holds the learner's stub; the first code cell after it that hands the stub to a checker
+(`report.use(reference)`) is followed by a markdown cell holding the solution in a folded <details> block, marked
+SOLUTION_MARK: it does not run, so nothing overwrites what the learner wrote, and it opens with one click. A stub
+that is not written yet is reported as such by its checker, and the lesson carries on with labkit's reference.
 
 In the copy, every function and method defined in a cell that starts with EXERCISE_MARK keeps its signature and
 docstring, and its body becomes `raise NotImplementedError("<name> is not written yet")`. A first cell sets
@@ -11,6 +19,7 @@ cells after it go on with labkit's reference until yours passes. Everything else
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 from pathlib import Path
 
@@ -80,3 +89,72 @@ def blank_copy(notebook: str | Path, out: str | Path | None = None) -> Path:
 def _as_lines(text: str) -> list[str]:
     lines = text.split("\n")
     return [line + "\n" for line in lines[:-1]] + [lines[-1]]
+
+
+SOLUTION_MARK = "<!-- labkit: the solution of the exercise above -->"
+FENCE = "```"
+
+
+def solution_cell(source: str) -> dict:
+    """The folded markdown cell that holds an exercise's solution."""
+    title = source.splitlines()[0].removeprefix(EXERCISE_MARK).strip(" ·")
+    text = (f"<details><summary>✅ The solution{': ' + title if title else ''} (open it once yours has been checked, "
+            f"or when stuck)</summary>\n{SOLUTION_MARK}\n\n{FENCE}python\n{source.rstrip()}\n{FENCE}\n</details>")
+    return {"cell_type": "markdown", "id": hashlib.sha1(source.encode()).hexdigest()[:8], "metadata": {},
+            "source": _as_lines(text)}
+
+
+def solution_of(cell: dict) -> str | None:
+    """The solution's code in a cell made by solution_cell, else None."""
+    text = "".join(cell.get("source", []))
+    if cell.get("cell_type") != "markdown" or SOLUTION_MARK not in text:
+        return None
+    body = text.split(f"{FENCE}python\n", 1)[1]
+    return body.rsplit(f"\n{FENCE}", 1)[0] + "\n"
+
+
+def _checker_after(cells: list[dict], start: int) -> int:
+    for index in range(start + 1, len(cells)):
+        if cells[index].get("cell_type") == "code" and ".use(" in "".join(cells[index]["source"]):
+            return index
+    raise ValueError(f"cell {start}: no checker cell (one calling report.use(...)) follows this exercise")
+
+
+def write_first(notebook: str | Path, out: str | Path | None = None) -> Path:
+    """Turn each solved ✏️ cell of `notebook` into a stub, its solution folded after its checker (in place by default).
+    A notebook already written this way is left as it is."""
+    notebook = Path(notebook)
+    data = json.loads(notebook.read_text())
+    cells = data["cells"]
+    for index in [i for i, cell in enumerate(cells) if is_exercise(cell)][::-1]:
+        checker = _checker_after(cells, index)
+        if checker + 1 < len(cells) and solution_of(cells[checker + 1]) is not None:
+            continue
+        source = "".join(cells[index]["source"])
+        cells[index]["source"] = _as_lines(blank_source(source))
+        cells.insert(checker + 1, solution_cell(source))
+    out = Path(out) if out is not None else notebook
+    out.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    return out
+
+
+def solved_copy(notebook: str | Path, out: str | Path) -> Path:
+    """A copy of `notebook` whose ✏️ cells hold their folded solutions: the lesson as a learner who solved it runs it."""
+    notebook = Path(notebook)
+    data = json.loads(notebook.read_text())
+    cells = data["cells"]
+    exercises = [i for i, cell in enumerate(cells) if is_exercise(cell)]
+    if not exercises:
+        raise ValueError(f"{notebook} has no exercise cells (code cells starting with {EXERCISE_MARK!r})")
+    for index in exercises:
+        checker = _checker_after(cells, index)
+        solution = solution_of(cells[checker + 1]) if checker + 1 < len(cells) else None
+        if solution is None:
+            raise ValueError(f"{notebook}: the exercise in cell {index} has no folded solution after its checker "
+                             f"(cell {checker}); write_first makes one")
+        cells[index]["source"] = _as_lines(solution.rstrip("\n"))
+    for cell in cells:
+        if cell.get("cell_type") == "code":
+            cell["outputs"], cell["execution_count"] = [], None
+    Path(out).write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    return Path(out)

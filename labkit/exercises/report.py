@@ -5,9 +5,11 @@
     report.measured["grad_ratio"]      # the numbers behind the sentences, for the lesson's own asserts
     MyDDP = report.use(NaiveDDP)       # yours if it passed; see below otherwise
 
-Blank mode (LABKIT_EXERCISES=blank, which a blank copy of a lesson sets): a report with something missing or wrong
-says so and `use` hands back labkit's reference, so the rest of the lesson still runs while you write yours.
-Otherwise `use` (and `require`) raise ExerciseFailed with the report's text.
+A stub not written yet (NotImplementedError, and nothing wrong) is reported as NOT WRITTEN YET, and `use` hands back
+labkit's reference, said out loud, so that the rest of the lesson runs while you write yours: a lesson ships its
+exercises as stubs. Code that is written and wrong stops the lesson: `use` (and `require`) raise ExerciseFailed with
+the report's text, except in blank mode (LABKIT_EXERCISES=blank, which a blank copy sets), where it is said and the
+reference used.
 """
 from __future__ import annotations
 
@@ -97,19 +99,23 @@ class Report:
         printer.text(self.text())
 
     def require(self) -> bool:
-        """Raise ExerciseFailed unless the report passed; in blank mode print what is left instead. True if ok."""
+        """Raise ExerciseFailed if something written is wrong (blank mode: print it instead); True if it passed,
+        False if it is not written yet."""
         if self.ok:
             return True
+        if not self.failures:
+            print(f"[not written yet] {self.subject}: the report above says what is left.")
+            return False
         if blank_mode():
             print(f"[blank mode] {self.subject}: not passing yet; the checker's report is above.")
             return False
         raise ExerciseFailed(self.text())
 
     def use(self, reference: Any = None) -> Any:
-        """The checked implementation if it passed; in blank mode labkit's `reference` (said out loud) so the
-        lesson can go on; otherwise raise ExerciseFailed with the report."""
+        """The checked implementation if it passed; labkit's `reference` (said out loud) if it is not written yet, or
+        in blank mode, so that the lesson can go on; otherwise raise ExerciseFailed with the report."""
         if self.require():
             return self.implementation
-        print(f"[blank mode] the cells below use labkit's {getattr(reference, '__name__', reference)} "
-              "until yours passes.")
+        why = "[not written yet]" if not self.failures else "[blank mode]"
+        print(f"{why} the cells below use labkit's {getattr(reference, '__name__', reference)} until yours passes.")
         return reference
