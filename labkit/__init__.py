@@ -20,11 +20,14 @@ The package, from the ground up (each room imports only from the rooms before it
     cli.py                  python -m labkit ...
 """
 import importlib
+import sys
+from pathlib import Path
 
-from .config import ConfigError, Fault, RunConfig, pick, quick_mode
-from . import memory
-from . import run  # noqa: F401 - the CUDA tracker (run/cuda_guard.py)
-from .run import warm as _warm
+# The one place the version is written: pyproject.toml reads it (dynamic, attr), `labkit --version` prints it.
+__version__ = "0.1.0"
+
+from .config import ConfigError, Fault, RunConfig, pick, quick_mode  # noqa: E402
+from . import memory  # noqa: E402
 
 # Imported at first use, so that `import labkit` costs about what `import torch` does: the launcher and the records
 # bring pandas, the figures matplotlib, the training loop transformers.
@@ -44,8 +47,6 @@ def __getattr__(name: str) -> object:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
-
-__version__ = "0.1.0"
 
 
 def compare(runs, **options):
@@ -81,5 +82,29 @@ __all__ = ["RunConfig", "Fault", "ConfigError", "pick", "quick_mode", "launch", 
            "train", "NonFiniteLoss", "compare", "curves", "panel", "RankContext", "Run", "load_run", "memory",
            "make_task", "Claims", "ClaimFailed"]
 
-# Last, once this module is whole: in a notebook, the warm process is forked from here now (run/warm.py).
-_warm.start_on_import()
+
+def _for_the_command_line() -> bool:
+    """Whether the command line is importing labkit (`python -m labkit ...`, or the `labkit` script) before it has
+    parsed its arguments: then torch waits for cli.py to call _import_the_rest(), so that --help and --version
+    answer in a fraction of a second. Everything is still reachable: the names above import at first use."""
+    if sys.argv[:1] == ["-m"]:  # `python -m <module>` while <module> is being found: the module is in orig_argv
+        after = [b if a == "-m" else a[2:] for a, b in zip(sys.orig_argv, sys.orig_argv[1:] + [""])
+                 if a.startswith("-m")]
+        return after[:1] in (["labkit"], ["labkit.cli"], ["labkit.__main__"])
+    script = getattr(sys.modules.get("__main__"), "__file__", None) or ""
+    return Path(script).name == "labkit"  # the console script pip writes ([project.scripts] in pyproject.toml)
+
+
+def _import_the_rest() -> None:
+    """The part of `import labkit` that imports torch: the CUDA tracker (run/cuda_guard.py), then, in a notebook,
+    the warm process forked from here (run/warm.py). Last, once this module is whole; at most once."""
+    if globals().get("_warm") is not None:
+        return
+    from . import run  # noqa: F401 - the CUDA tracker
+    from .run import warm
+    globals()["_warm"] = warm
+    warm.start_on_import()
+
+
+if not _for_the_command_line():
+    _import_the_rest()

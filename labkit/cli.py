@@ -14,6 +14,11 @@ config.json holds RunConfig fields (RunConfig.save writes one); missing fields t
 the run directory itself, under both launchers; without it a plain run goes to a new directory under $LABKIT_RUNS
 (or ./runs). Bad input (no such file, not JSON, a bad field, a damaged run directory) is one line on stderr naming
 the file, and exit status 2; a run whose rank failed prints the failure report and exits 1.
+
+    python -m labkit --version                                # also `labkit --version`, the installed script
+
+The arguments are parsed before anything imports torch (labkit/__init__.py waits for the command line), so --help
+and --version answer at once; each command imports what it needs.
 """
 from __future__ import annotations
 
@@ -21,14 +26,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .config import ConfigError, RunConfig
-from .records import BadRunFile, Run
-from .rundir import RunDirInUse
-from .run import RankFailure, launch
-from .run.failure import LaunchError
-from .run.torchrun import run_under_torchrun, under_torchrun
-from .view.report import describe_run
+from . import __version__
+
+if TYPE_CHECKING:
+    from .records import Run
 
 BAD_INPUT = 2
 
@@ -36,6 +39,12 @@ BAD_INPUT = 2
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and do what it says; returns the exit status."""
     args = parser().parse_args(argv)
+    from . import _import_the_rest
+    _import_the_rest()  # what `import labkit` left for after parsing: torch, the CUDA tracker
+    from .config import ConfigError
+    from .records import BadRunFile
+    from .run.failure import LaunchError
+    from .rundir import RunDirInUse
     try:
         return COMMANDS[args.command](args)
     except (ConfigError, BadRunFile, RunDirInUse, LaunchError) as exc:
@@ -50,7 +59,9 @@ def one_line(exc: BaseException) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="labkit", description=__doc__.split("\n")[0])
+    # The docstring's first line without its markdown: a terminal shows backticks as they are.
+    top = argparse.ArgumentParser(prog="labkit", description=__doc__.split("\n")[0].replace("`", ""))
+    top.add_argument("--version", action="version", version=f"labkit {__version__}")
     sub = top.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train with a RunConfig JSON file")
     run.add_argument("config", type=Path)
@@ -68,6 +79,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    from .config import RunConfig
+    from .run import RankFailure, launch
+    from .run.torchrun import run_under_torchrun, under_torchrun
     config = RunConfig.load(args.config)
     if under_torchrun():
         return run_under_torchrun(config, args.run_dir, args.timeout)
@@ -82,6 +96,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 def runs_named(args: argparse.Namespace) -> list[Run] | None:
     """The runs a show / summary / compare names; None (after one line on stderr) if one is missing."""
+    from .records import Run
     dirs = args.run_dirs if args.command == "compare" else [args.run_dir]
     missing = [str(d) for d in dirs if not d.is_dir()]
     if missing:
@@ -91,6 +106,7 @@ def runs_named(args: argparse.Namespace) -> list[Run] | None:
 
 
 def show_command(args: argparse.Namespace) -> int:
+    from .view.report import describe_run
     runs = runs_named(args)
     if runs is None:
         return BAD_INPUT
