@@ -1,6 +1,7 @@
 """The digits DataLoader pipeline: the rows of in-memory slicing, deterministic per-sample work, workers that end."""
 import time
 
+import pandas as pd
 import psutil
 import pytest
 import torch
@@ -10,6 +11,7 @@ from labkit import Fault, RunConfig
 from labkit.measure import CpuMeter, interleaved
 from labkit.measure.timing import metered
 from labkit.training.data import DigitsSamples, DigitsStream, StepBatchSampler, digits_data, sample_work
+from labkit.tricks import loading
 from labkit.tricks.loading import epoch_starts, predicted_step, split_table, step_split
 from labkit.training.tasks import make_task
 
@@ -158,3 +160,57 @@ def test_a_rank_that_fails_takes_its_workers_with_it(runs_root, no_leftovers):
         labkit.launch(cfg, runs_root=runs_root, echo=False, progress=False)
     assert (failure.value.rank, failure.value.step) == (1, 3)
     assert leftover_processes() == []
+
+
+# --- the lesson's claims: what a learner's loader returned, and the checks handed to the speed gate -----------------
+
+def test_the_shards_cover_each_epoch_once_and_the_workers_are_told_apart():
+    rank0 = [(0, 0, 11), (0, 2, 12), (1, 3, 11), (1, 1, 12)]
+    rank1 = [(0, 1, 21), (0, 3, 22), (1, 0, 21), (1, 2, 22)]
+    assert loading.shards_cover_once([rank0, rank1], size=4) == ("2 epochs, 2/2 samples per rank of 4", True)
+    assert not loading.shards_cover_once([rank0, rank0], size=4)[1]                    # overlap, and 1 and 3 missing
+    assert not loading.shards_cover_once([rank0, rank1 + [(1, 0, 21)]], size=4)[1]   # a sample twice in epoch 1
+    assert not loading.shards_cover_once([[], []], size=4)[1]
+    assert loading.epoch_orders(rank0) == [[0, 2], [3, 1]]
+    assert loading.worker_pids(rank0) == [{11, 12}, {11, 12}]
+    assert loading.made_by_workers({"rank pid": 10, "seen": rank0}, workers=2)[1]
+    assert not loading.made_by_workers({"rank pid": 11, "seen": rank0}, workers=2)[1]   # the rank made some
+    assert not loading.made_by_workers({"rank pid": 10, "seen": rank0}, workers=3)[1]
+
+
+def test_the_gated_checks_assert_on_the_split_table_and_say_what_they_measured(monkeypatch):
+    table = pd.DataFrame({"cores busy": [1.0, 1.9], "t_data_ms": [30.0, 12.0], "t_step_ms": [34.0, 18.0]})
+    monkeypatch.setattr(loading, "split_table", lambda timed: table)
+    assert loading.busy_below(2.0)(None) == "1.90 cores busy"
+    assert loading.busy_above(0.9)(None) == "1.00 cores busy"
+    assert loading.ratio_below("t_data_ms", 0.75)(None) == "t_data_ms 0.40x"
+    assert loading.ratio_above("t_step_ms", 0.5)(None) == "t_step_ms 0.53x"
+    for check in (loading.busy_below(1.5), loading.busy_above(1.5), loading.ratio_below("t_step_ms", 0.5),
+                  loading.ratio_above("t_data_ms", 0.5)):
+        with pytest.raises(AssertionError):
+            check(None)
+
+
+def test_the_restart_checks_read_the_epoch_starts(monkeypatch):
+    starts = pd.DataFrame({"run's first step (ms)": [60.0, 50.0], "epoch's first step (ms, median)": [40.0, 8.0]},
+                          index=["persistent_workers=False", "persistent_workers=True"])
+    monkeypatch.setattr(loading, "epoch_starts", lambda runs, steps_per_epoch: starts)
+    timed = type("Timed", (), {"runs": {}})()
+    assert loading.restarts_cost(5)(timed) == "32 ms per epoch start"
+    assert loading.persistent_pays_once(5)(timed) == "first step 50 ms, later epochs' 8 ms"
+    with pytest.raises(AssertionError):
+        loading.restarts_cost(5, ms=40)(timed)
+    with pytest.raises(AssertionError):
+        loading.persistent_pays_once(5, ms=45)(timed)
+
+
+def test_pytorch_says_so_when_there_is_nothing_to_pin_for_and_warns_of_too_many_workers():
+    if torch.accelerator.is_available():
+        pytest.skip("with an accelerator the batch is pinned (and pinning here would initialise it)")
+    pinned, said = loading.pinned_batch(BASE)
+    assert not pinned and "no accelerator is found" in said
+    log = "x\n.../dataloader.py:626: UserWarning: This DataLoader will create 3 worker processes in total. Our " \
+          "suggested max number of worker in current system is 2\ny"
+    run = type("Run", (), {"log": lambda self, rank: log})()
+    assert loading.worker_warning(run).startswith("This DataLoader will create 3 worker processes")
+    assert loading.worker_warning(type("Run", (), {"log": lambda self, rank: "quiet"})()) == ""

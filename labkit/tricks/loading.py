@@ -8,13 +8,20 @@ picture, the cost of restarting workers, and the simplest model of workers shari
     step_split(timed["2 workers"].run)    # {"t_data": 0.031, "t_fwd_bwd": 0.004, "t_optim": 0.001, "t_step": 0.037}
     predicted_step(workers=2, cores=2, data_ms=32, compute_ms=3)   # {"ms per step": 17.5, ...}
 
+The lesson's claims, each in one line: what a DistributedSampler and a DataLoader did inside a function the
+learner launched (shards_cover_once, epoch_orders, made_by_workers, worker_pids: a rank returns the list of
+(epoch, sample index, pid of the process that made it) it saw), and the checks handed to the speed gate, made
+for a column and a bound (busy_below, busy_above, ratio_below, ratio_above, restarts_cost, persistent_pays_once):
+
+    claims.gated("2 workers cut t_data below 0.75x", ratio_below("t_data_ms", 0.75), timed.only([0, 2]))
+
 The digits pipeline the lesson takes apart is the training loop's own (labkit/training/data.py), reachable here:
 DigitsStream(cfg, world_size=1, rank=0).make_loader() is its DataLoader, digits_data() the images and labels,
 sample_work(image, seed=, position=, cost_ms=) the per-sample work a worker does (RunConfig.sample_cost_ms).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import pandas as pd
 
@@ -116,3 +123,124 @@ def plot_step_split(table: pd.DataFrame, *, floor_ms: float | None = None, notes
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
+
+
+# --- what the learner's own loader did (lesson 05's torch code: a function returning the samples it saw) -------------
+
+Seen = Sequence[tuple[int, int, int]]   # (epoch, sample index, pid of the process that made the sample)
+
+
+def shards_cover_once(seen_by_rank: Sequence[Seen], size: int) -> tuple[str, bool]:
+    """Whether, in every epoch, the ranks' samples are each index of 0..size-1 exactly once (the sampler's shards
+    do not overlap and leave nothing out):  shards_cover_once([run.result(r)["seen"] for r in (0, 1)], 256)."""
+    epochs = sorted({e for seen in seen_by_rank for e, _, _ in seen})
+    per_rank = [[sorted(i for e, i, _ in seen if e == epoch) for seen in seen_by_rank] for epoch in epochs]
+    ok = bool(epochs) and all(sorted(i for rank in ranks for i in rank) == list(range(size)) for ranks in per_rank)
+    sizes = "/".join(str(len(rank)) for rank in per_rank[0]) if per_rank else "nothing"
+    return f"{len(epochs)} epochs, {sizes} samples per rank of {size}", ok
+
+
+def epoch_orders(seen: Seen) -> list[list[int]]:
+    """One rank's sample indices per epoch, in the order it got them:  epoch_orders(run.result(0)["seen"])."""
+    epochs = sorted({e for e, _, _ in seen})
+    return [[i for e, i, _ in seen if e == epoch] for epoch in epochs]
+
+
+def worker_pids(seen: Seen) -> list[set[int]]:
+    """Per epoch, the processes that made one rank's samples:  worker_pids(run.result(0)["seen"]) -> [{812, 813}, ...]."""
+    epochs = sorted({e for e, _, _ in seen})
+    return [{p for e, _, p in seen if e == epoch} for epoch in epochs]
+
+
+def made_by_workers(result: Mapping[str, Any], workers: int) -> tuple[str, bool]:
+    """Whether `workers` processes other than the rank made every sample of every epoch, from what a rank returned
+    ({"rank pid": ..., "seen": [...]}):  made_by_workers(run.result(0), workers=2)."""
+    pids = worker_pids(result["seen"])
+    ok = bool(pids) and all(len(p) == workers and result["rank pid"] not in p for p in pids)
+    return f"{[len(p) for p in pids]} processes per epoch, rank's own pid {'not ' * ok}among them", ok
+
+
+# --- checks for the speed gate: each asserts on split_table(timed) and returns what it measured ------------------
+
+def busy_below(limit: float) -> Callable[[Any], str]:
+    """A gated check: every setting kept fewer than `limit` cores busy."""
+    def check(timed: Any) -> str:
+        busy = split_table(timed)["cores busy"]
+        assert (busy < limit).all(), f"cores busy {busy.round(2).tolist()}, not all under {limit:g}"
+        return f"{busy.max():.2f} cores busy"
+    return check
+
+
+def busy_above(limit: float) -> Callable[[Any], str]:
+    """A gated check: every setting kept more than `limit` cores busy."""
+    def check(timed: Any) -> str:
+        busy = split_table(timed)["cores busy"]
+        assert (busy > limit).all(), f"cores busy {busy.round(2).tolist()}, not all over {limit:g}"
+        return f"{busy.min():.2f} cores busy"
+    return check
+
+
+def ratios(column: pd.Series) -> pd.Series:
+    """Every row after the first over the first:  ratios(table["t_step_ms"])."""
+    return column.iloc[1:] / column.iloc[0]
+
+
+def ratio_below(column: str, bound: float) -> Callable[[Any], str]:
+    """A gated check: `column` of every setting after the first stays under `bound` x the first's."""
+    def check(timed: Any) -> str:
+        r = ratios(split_table(timed)[column])
+        assert (r < bound).all(), f"{column}: {r.round(2).tolist()} x the first, not all under {bound:g}"
+        return f"{column} {r.max():.2f}x"
+    return check
+
+
+def ratio_above(column: str, bound: float) -> Callable[[Any], str]:
+    """A gated check: `column` of every setting after the first stays over `bound` x the first's."""
+    def check(timed: Any) -> str:
+        r = ratios(split_table(timed)[column])
+        assert (r > bound).all(), f"{column}: {r.round(2).tolist()} x the first, not all over {bound:g}"
+        return f"{column} {r.min():.2f}x"
+    return check
+
+
+def restarts_cost(steps_per_epoch: int, ms: float = 5.0) -> Callable[[Any], str]:
+    """A gated check on (non-persistent, persistent) runs: an epoch's first step waits over `ms` longer for data
+    without persistent workers than with them."""
+    def check(timed: Any) -> str:
+        starts = epoch_starts(timed.runs, steps_per_epoch)["epoch's first step (ms, median)"]
+        cost = starts.iloc[0] - starts.iloc[1]
+        assert cost > ms, f"restarting the workers cost {cost:.1f} ms at an epoch start, not over {ms:g}\n{starts}"
+        return f"{cost:.0f} ms per epoch start"
+    return check
+
+
+def persistent_pays_once(steps_per_epoch: int, ms: float = 5.0) -> Callable[[Any], str]:
+    """A gated check on (non-persistent, persistent) runs: persistent workers still start once, so the run's first
+    step waits over `ms` longer than a later epoch's first step."""
+    def check(timed: Any) -> str:
+        row = epoch_starts(timed.runs, steps_per_epoch).iloc[1]
+        first, later = row["run's first step (ms)"], row["epoch's first step (ms, median)"]
+        assert first > later + ms, f"first step {first:.1f} ms, later epochs' first {later:.1f} ms (margin {ms:g})"
+        return f"first step {first:.0f} ms, later epochs' {later:.0f} ms"
+    return check
+
+
+def pinned_batch(config: Any) -> tuple[bool, str]:
+    """(whether the first batch of a pin_memory loader came out pinned, what PyTorch warned about pin_memory) in
+    this process, with no sample work:  pinned_batch(cfg). Call it only where no accelerator is: with one, pinning
+    initialises it in this process, and ranks forked afterwards could not use it."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stream = DigitsStream(config.replace(sample_cost_ms=0.0, pin_memory=True), world_size=1, rank=0)
+        x, _ = stream.batch(0)
+        stream.close()
+    said = [str(w.message) for w in caught if "pin_memory" in str(w.message)]
+    return x.is_pinned(), said[0] if said else ""
+
+
+def worker_warning(run: Any, rank: int = 0) -> str:
+    """PyTorch's warning about more DataLoader workers than the cores it sees, from a rank's log ("" if none):
+    worker_warning(timed["3 workers"].run)."""
+    said = [line for line in run.log(rank).splitlines() if "suggested max" in line]
+    return said[0].split("UserWarning: ")[-1] if said else ""
