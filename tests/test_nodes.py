@@ -149,6 +149,10 @@ def test_a_rank_that_fails_under_torchrun_leaves_a_report_labkit_show_reads(tmp_
            "-m", "labkit", "run", str(tmp_path / "config.json"), "--run-dir", str(tmp_path / "job")]
     done = run_group(cmd, {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}, 180)
     assert done.returncode != 0
+    # torchrun's own summary names the root cause with its traceback (labkit writes TORCHELASTIC_ERROR_FILE, as
+    # torchelastic's @record would): before, it said "error_file: <N/A>" and "To enable traceback see: ..."
+    cause = done.stdout.split("Root Cause (first observed failure):", 1)[-1]
+    assert "rank      : 1" in cause and "InjectedFault" in cause and "To enable traceback" not in cause, done.stdout
     run = load_run(tmp_path / "job")
     assert not run.finished and run.failure().startswith("rank 1 raised at step 2: InjectedFault"), run.failure()
     shown = subprocess.run([sys.executable, "-m", "labkit", "show", str(tmp_path / "job")], capture_output=True,

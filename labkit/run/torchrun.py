@@ -60,12 +60,24 @@ def run_under_torchrun(config: RunConfig, run_dir: Path | None, timeout: float) 
         end_together(rank, world, run_dir, ctx.device)
     except BaseException as exc:
         write_rank_error(run_dir, rank, ctx.step, exc, to_log=False)  # torchrun prints the traceback itself
+        if isinstance(exc, Exception):
+            record_for_torchrun(exc)
         raise
     finally:
         leave(ctx)
         if config.tensorboard:
             write_tensorboard(run_dir, ranks=[rank])  # each rank converts its own records, after training
     return 0
+
+
+def record_for_torchrun(exc: Exception) -> None:
+    """Write the exception where torchrun's agent reads a rank's error (TORCHELASTIC_ERROR_FILE), as torchelastic's
+    @record decorator does: the agent's summary then names the first failure with its traceback ("Root Cause")
+    instead of "error_file: <N/A>". Nothing happens outside torchrun (no such variable)."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+    get_error_handler().record_exception(exc)
 
 
 def elastic_store(rank: int, world: int, timeout: timedelta) -> Any:
