@@ -3,6 +3,7 @@ tests/test_commhooks.py does not: accumulation arithmetic and bytes, what autoca
 not (gradients on the wire), GradScaler's skip-and-halve on CPU, PowerSGD's predicted payload, torch's bf16 hook
 refusing gloo, the bucket experiment, and the tables and figures the lesson draws from runs."""
 import functools
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -11,8 +12,9 @@ from matplotlib.figure import Figure
 
 import labkit
 from labkit import RunConfig
+from labkit.records import slowest_per_step
 from labkit.training.tasks import make_task
-from labkit.tricks import commeff, precision
+from labkit.tricks import commeff, commeff_claims, precision
 
 
 @pytest.mark.parametrize("accum", [1, 2, 4, 8])
@@ -154,3 +156,99 @@ def test_autocast_speed_and_cpu_flags_are_measured_here():
     assert (speed.iloc[:, 1] > 0).all() and set(precision.cpu_16bit_flags()) <= precision.FLAGS_16BIT
     history = pd.DataFrame({"scale": [4.0, 2.0, 2.0], "weights changed": [False, True, True]})
     assert isinstance(precision.plot_loss_scale(history), Figure)
+
+
+# --- the lesson's one-line claims (commeff_claims, precision): each holds on what it should and fails otherwise ---
+
+def fake_run(allreduces, comm_bytes, loss=None):
+    """A Run-like object with two ranks that recorded the same counts per step (what commeff.steps reads)."""
+    n = len(allreduces)
+    loss = loss or [3.0 - 0.1 * i for i in range(n)]
+    rows = [{"rank": r, "step": i, "t_step": 0.01, "t_fwd_bwd": 0.005, "allreduces": allreduces[i],
+             "comm_bytes": comm_bytes[i], "samples": 8, "loss": loss[i], "grad_norm": 1.0, "loss_scale": 1.0,
+             "skipped_step": 0} for i in range(n) for r in range(2)]
+    df = pd.DataFrame(rows)
+    return SimpleNamespace(name="fake", df=df, slowest=lambda *columns, after=0: slowest_per_step(df, columns, after))
+
+
+def test_the_accumulation_claims_read_the_runs(runs):
+    grad = fp32_gradient_bytes()
+    accum = {(2, "naive"): runs["naive x2"], (2, "no_sync"): runs["no_sync x2"]}
+    swapped = {(2, "naive"): runs["no_sync x2"], (2, "no_sync"): runs["naive x2"]}
+    for claim in (commeff_claims.naive_allreduces_once_per_micro_batch, commeff_claims.no_sync_allreduces_once):
+        assert claim(accum)[0] and not claim(swapped)[0]
+    assert commeff_claims.bytes_follow_the_count(accum, grad)[0]
+    assert not commeff_claims.bytes_follow_the_count(accum, grad + 4)[0]
+    assert commeff_claims.every_step_took_the_global_batch(accum, 16)[0]
+    assert not commeff_claims.every_step_took_the_global_batch(accum, 32)[0]
+    assert commeff_claims.same_loss(accum, (2, "no_sync"), tol=1e-4)[0]
+    assert not commeff_claims.same_loss({"a": runs["fp32"], "b": runs["bf16"]}, "a", tol=0.0)[0]
+    assert commeff_claims.sends_each_step({"fp32": runs["fp32"], "bf16": runs["bf16"]}, grad)[0]
+    assert not commeff_claims.sends_each_step({"fp32": runs["fp32"]}, grad // 2)[0]
+    assert commeff_claims.allreduces_each_step(runs["naive x2"], 2)[0]
+    assert not commeff_claims.allreduces_each_step(runs["naive x2"], 1)[0]
+    table = pd.DataFrame({"peak memory growth (MB)": [30.0, 20.0]},
+                         index=pd.MultiIndex.from_tuples([(1, "no_sync"), (8, "no_sync")]))
+    assert commeff_claims.accumulation_cuts_peak_memory(table)[0]
+    assert not commeff_claims.accumulation_cuts_peak_memory(table.iloc[::-1].set_axis(table.index))[0]
+
+
+def test_the_powersgd_and_hook_claims_read_the_counts():
+    shapes = [torch.Size([100, 50]), torch.Size([50])]
+    fp32, low = 4 * 5050, commeff.powersgd_payload(shapes, rank=1)
+    good = fake_run([1, 1, 3, 3], [fp32, fp32, low, low])
+    late = fake_run([1, 3, 3, 3], [fp32, low, low, low])
+    assert commeff_claims.powersgd_warms_up_uncompressed(good, fp32)[0]
+    assert not commeff_claims.powersgd_warms_up_uncompressed(late, fp32)[0]
+    assert commeff_claims.powersgd_issues_three_collectives(good)[0]
+    assert not commeff_claims.powersgd_issues_three_collectives(fake_run([1, 1, 3, 2], [fp32] * 4))[0]
+    assert commeff_claims.powersgd_sends_its_prediction(good, shapes, rank=1)[0]
+    assert not commeff_claims.powersgd_sends_its_prediction(good, shapes, rank=2)[0]
+    assert commeff_claims.sends_under(good, fp32, 1 / 5)[0] and not commeff_claims.sends_under(good, fp32, low / fp32)[0]
+    assert commeff_claims.sends_less(good, than=fake_run([1] * 4, [fp32] * 4))[0]
+    assert not commeff_claims.sends_less(good, than=good)[0]
+    assert commeff_claims.loss_fell({"a": good}, by=0.2)[0] and not commeff_claims.loss_fell({"a": good}, by=0.5)[0]
+    assert commeff_claims.bytes_per_element({"fp16": fake_run([1], [2 * 5050])}, 5050, {"fp16": 2})[0]
+    assert not commeff_claims.bytes_per_element({"fp16": fake_run([1], [4 * 5050])}, 5050, {"fp16": 2})[0]
+    final = pd.DataFrame({"final loss": {"allreduce (fp32)": 3.0, "fp16": 3.001, "bf16": 3.002, "PowerSGD r1": 3.5,
+                                         "PowerSGD r4": 3.2}})
+    assert commeff_claims.powersgd_lags_the_exact_run(final)[0] and commeff_claims.casts_end_with_the_exact_run(final)[0]
+    final.loc["PowerSGD r4", "final loss"], final.loc["bf16", "final loss"] = 3.6, 3.1
+    assert not commeff_claims.powersgd_lags_the_exact_run(final)[0]
+    assert not commeff_claims.casts_end_with_the_exact_run(final)[0]
+    assert commeff_claims.torch_bf16_hook_refused("TypeError: needs NCCL")[0]
+    assert commeff_claims.torch_bf16_hook_refused("registered and ran")[0] == torch.cuda.is_available()
+
+
+def test_the_wire_share_is_judged_from_the_step_and_the_lone_all_reduce():
+    run = fake_run([1] * 4, [400] * 4)                     # 10 ms per step
+    wire = pd.DataFrame({"time_s": [0.001]}, index=pd.Index([400], name="size_bytes"))
+    step_ms, table = commeff.wire_shares(run, wire, {"fp32": 400})
+    assert step_ms == pytest.approx(10.0) and table.loc["fp32", "share of an fp32 step"] == pytest.approx(0.1)
+    assert "10.0%" in commeff_claims.fp32_wire_is_a_small_share(SimpleNamespace(value=(run, wire, {"fp32": 400})))
+    slow = wire.assign(time_s=0.005)
+    with pytest.raises(AssertionError):
+        commeff_claims.fp32_wire_is_a_small_share(SimpleNamespace(value=(run, slow, {"fp32": 400})))
+    table = pd.DataFrame({"allreduces": [9.0, 4.0, 1.0]},
+                         index=pd.MultiIndex.from_tuples([("tiny", 0.01), ("tiny", 0.1), ("tiny", 25.0)],
+                                                         names=["model", "cap"]))
+    assert commeff_claims.fewer_allreduces_as_buckets_grow(table)[0]
+    assert not commeff_claims.fewer_allreduces_as_buckets_grow(table.assign(allreduces=[4.0, 9.0, 1.0]))[0]
+    assert isinstance(commeff.draw_buckets(layers=6, per_bucket=2), Figure)
+
+
+def test_the_precision_claims_read_the_facts_and_the_scaler_history():
+    facts = precision.autocast_facts(RunConfig(world_size=2), batch_size=8)
+    assert precision.output_dtype_is(facts, "bf16", "bfloat16")[0]
+    assert not precision.output_dtype_is(facts, "bf16", "float32")[0]
+    assert precision.bf16_halves_the_layer_output(facts)[0] and precision.gradients_stay_fp32(facts)[0]
+    assert precision.backward_keeps_about_half(facts)[0] and not precision.backward_keeps_about_half(facts, 0.8, 1)[0]
+    history = pd.DataFrame({"scale": [8.0, 4.0, 4.0, 4.0], "grads finite": [False, True, True, True],
+                            "weights changed": [False, True, True, True], "scale after": [4.0, 4.0, 4.0, 8.0]})
+    for claim in (precision.first_step_overflowed, precision.steps_taken_exactly_when_finite,
+                  precision.every_overflow_halves_the_scale, precision.scale_grew_after_clean_steps):
+        assert claim(history)[0]
+    broken = history.assign(**{"weights changed": [True, True, True, True], "scale after": [8.0, 4.0, 4.0, 4.0]})
+    for claim in (precision.first_step_overflowed, precision.steps_taken_exactly_when_finite,
+                  precision.every_overflow_halves_the_scale, precision.scale_grew_after_clean_steps):
+        assert not claim(broken)[0]

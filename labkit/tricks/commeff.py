@@ -27,9 +27,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import RunConfig
 from ..records import Run
+from ..run.launch import launch
 from ..training.commhooks import POWERSGD_MIN_COMPRESSION, count_collectives
 from ..training.tasks import make_task
 from ..view import COLORS, new_figure, shown
+from .comm import benchmark
 
 WARM = 2  # steps left out of timings: DDP rebuilds its buckets after step 0; PowerSGD is uncompressed until step 2
 
@@ -262,3 +264,46 @@ def wire_table(per_element: Mapping[str, float], params_millions: Sequence[float
                           f"naive x{grad_accum} (GB/step)": wire_gb(p, b, grad_accum, no_sync=False),
                           f"no_sync x{grad_accum} (GB/step)": wire_gb(p, b, grad_accum, no_sync=True)}
                          for p in params_millions for hook, b in per_element.items()])
+
+
+@shown
+def draw_buckets(layers: int = 8, per_bucket: int = 3, link: float = 0.4) -> Figure:
+    """A sketch, not a measurement: backward makes the gradients from the last layer to the first; DDP all-reduces a
+    bucket once all its gradients are ready, one bucket after another on the link (top: small buckets; bottom: one
+    bucket that waits for the whole backward). `link`: time per layer's gradient on the wire, in layer-times."""
+    fig = new_figure(figsize=(11, 3.4))
+    axes = fig.subplots(2, 1, sharex=True)
+    for ax, group, title in zip(axes, (per_bucket, layers), (f"buckets of {per_bucket} layers", "one bucket")):
+        for i in range(layers):
+            ax.broken_barh([(i, 0.95)], (1, 0.8), color=COLORS[0])
+            ax.text(i + 0.47, 1.4, f"L{layers - i}", ha="center", va="center", fontsize=8, color="white")
+        free = 0.0
+        for first in range(0, layers, group):
+            ready, size = min(first + group, layers), min(group, layers - first)
+            start = max(ready, free)           # the link sends one bucket at a time
+            free = start + link * size
+            ax.broken_barh([(start, free - start - 0.05)], (0, 0.8), color=COLORS[1])
+            ax.text((start + free) / 2, 0.4, f"{size} grads", ha="center", va="center", fontsize=7, color="white")
+        ax.axvline(free, color="black", linestyle="--", linewidth=1)
+        ax.text(free + 0.1, 1.4, "backward()\nreturns", fontsize=7, va="center")
+        ax.set(yticks=[0.4, 1.4], yticklabels=["all-reduce", "backward"], title=title, xlim=(0, layers * (1 + link) + 1))
+    axes[-1].set_xlabel("time (one layer's backward = 1)")
+    return fig
+
+
+def wire_and_step(config: RunConfig, payloads: Mapping[str, int]) -> tuple[Run, pd.DataFrame, Mapping[str, int]]:
+    """A run of `config`, then each payload's all-reduce alone on the same ranks' cores (lesson 02's comm.benchmark):
+    run, wire, payloads = wire_and_step(cfg, {"fp32": 4 * params}). Measure it inside labkit.measure.metered."""
+    run = launch(config.replace(name="fp32, beside its all-reduce alone"), echo=False, progress=False)
+    wire = benchmark(ops=("all_reduce",), sizes=sorted(set(payloads.values())), world_size=config.world_size,
+                     repeats=30)
+    return run, wire.set_index("size_bytes"), payloads
+
+
+def wire_shares(run: Run, wire: pd.DataFrame, payloads: Mapping[str, int]) -> tuple[float, pd.DataFrame]:
+    """ms per step of the run, and per payload its all-reduce alone (ms) and its share of that step:
+    step_ms, table = wire_shares(*wire_and_step(cfg, payloads))."""
+    step_ms = ms_per_step(run)
+    return step_ms, pd.DataFrame({name: {"KiB": size / 2**10, "all-reduce alone (ms)": wire.time_s[size] * 1e3,
+                                         "share of an fp32 step": wire.time_s[size] * 1e3 / step_ms}
+                                  for name, size in payloads.items()}).T

@@ -167,3 +167,79 @@ def plot_loss_scale(history: pd.DataFrame) -> Figure:
     ax.grid(alpha=0.3)
     ax.legend()
     return fig
+
+
+# --- lesson 04's claims on precision: one function per claim, (holds, what was measured) for labkit.Claims.check ---
+
+def output_dtype_is(facts: pd.DataFrame, kind: str, dtype: str) -> tuple[bool, str]:
+    """autocast_facts' row `kind`: the first MLP layer's output has `dtype` (e.g. "bfloat16")."""
+    seen = facts.loc[kind, "first MLP layer output"]
+    return seen.split(" ")[0] == dtype, seen
+
+
+def bf16_halves_the_layer_output(facts: pd.DataFrame) -> tuple[bool, str]:
+    """The layer's output under autocast bf16 holds exactly half the bytes it holds in fp32."""
+    bf16, fp32 = facts.loc["bf16", "its bytes"], facts.loc["fp32", "its bytes"]
+    return bf16 * 2 == fp32, f"{bf16:,} B vs {fp32:,} B"
+
+
+def backward_keeps_about_half(facts: pd.DataFrame, low: float = 0.4, high: float = 0.75) -> tuple[bool, str]:
+    """Autocast bf16 keeps between `low` and `high` of fp32's bytes for backward (not 0.5: some ops stay fp32)."""
+    ratio = facts.loc["bf16", "saved for backward (MiB)"] / facts.loc["fp32", "saved for backward (MiB)"]
+    return low < ratio < high, f"{ratio:.2f}x fp32's bytes"
+
+
+def gradients_stay_fp32(facts: pd.DataFrame) -> tuple[bool, str]:
+    """Under every precision the gradients are float32 (the weights are)."""
+    seen = facts["gradient dtype"]
+    return bool((seen == "float32").all()), ", ".join(f"{k} {v}" for k, v in seen.items())
+
+
+def small_micro_batch_keeps_less(config: RunConfig, facts: pd.DataFrame, micro: int = 2,
+                                 most: float = 0.25) -> tuple[bool, str]:
+    """An fp32 micro-batch of `micro` samples keeps under `most` of what the batch behind `facts` keeps for
+    backward (accumulation's memory saving, measured like autocast's)."""
+    small = autocast_facts(config, batch_size=micro, precisions=("fp32",))
+    ratio = small.loc["fp32", "saved for backward (MiB)"] / facts.loc["fp32", "saved for backward (MiB)"]
+    return ratio < most, f"{ratio:.2f}x the bytes"
+
+
+def scaler_only_for_fp16(runs: Mapping[str, Run]) -> tuple[bool, str]:
+    """The fp16 run's loss scale stays above 1 at every step; the other runs' is 1 (they have no scaler)."""
+    scales = {name: steps(run)["loss_scale"] for name, run in runs.items()}
+    ok = all(((s > 1) if name == "fp16" else (s == 1)).all() for name, s in scales.items())
+    return bool(ok), ", ".join(f"{name} {s.min():g}..{s.max():g}" for name, s in scales.items())
+
+
+def autocast_is_slower(timed: tuple[pd.DataFrame, float]) -> str:
+    """Gated: autocast bf16 and fp16 both make the model's forward+backward slower than fp32 (a
+    metered_autocast_speed measurement)."""
+    speed, _ = timed
+    bf16, fp16 = speed.loc["bf16", "model vs fp32"], speed.loc["fp16", "model vs fp32"]
+    assert bf16 > 1 and fp16 > 1, (bf16, fp16)
+    return f"bf16 {bf16:.2f}x, fp16 {fp16:.2f}x fp32"
+
+
+def first_step_overflowed(history: pd.DataFrame) -> tuple[bool, str]:
+    """A scaler history (one row per step): the first step found an inf, was skipped, and halved the scale."""
+    first = history.iloc[0]
+    ok = not first["grads finite"] and not first["weights changed"] and first["scale after"] == first["scale"] / 2
+    return bool(ok), f"2**{np.log2(first['scale']):.0f} -> 2**{np.log2(first['scale after']):.0f}"
+
+
+def steps_taken_exactly_when_finite(history: pd.DataFrame) -> tuple[bool, str]:
+    """The weights changed at exactly the steps whose gradients were finite."""
+    agree = history["weights changed"] == history["grads finite"]
+    return bool(agree.all()), f"{int((~history['grads finite']).sum())} of {len(history)} skipped, all where an inf was"
+
+
+def every_overflow_halves_the_scale(history: pd.DataFrame) -> tuple[bool, str]:
+    """Every step that found an inf left half the scale it started with."""
+    hit = history[~history["grads finite"].astype(bool)]
+    return bool((hit["scale after"] == hit["scale"] / 2).all()), f"{len(hit)} overflows"
+
+
+def scale_grew_after_clean_steps(history: pd.DataFrame) -> tuple[bool, str]:
+    """Some steps were taken, and the scale grew again after clean steps."""
+    taken, grew = int(history["weights changed"].sum()), int((history["scale after"] > history["scale"]).sum())
+    return taken > 0 and grew > 0, f"{taken} steps taken, the scale doubled {grew} times"
