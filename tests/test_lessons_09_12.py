@@ -96,6 +96,64 @@ def test_a_loop_that_clips_before_unscaling_breaks_lesson_09s_loop_check(runs_ro
     assert not ((broken["grad_norm"] / table["grad_norm"]) - 1).abs().max() < 1e-5
 
 
+def _hand_loop(ctx, agree=True, norm_after=False):
+    """Lesson 09's fn(ctx): DDP, rank 1's batch holds an inf at step 3, clip_grad_norm_ at 5.0, then each rank's
+    verdict on its own loss, all-reduced (unless `agree` is False: each rank goes by its own loss only)."""
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = torch.Generator().manual_seed(100 + ctx.rank)
+    for step in range(6):
+        x = torch.randn(16, 8, generator=data)
+        if ctx.rank == 1 and step == 3:
+            x[0] = math.inf
+        loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+        opt.zero_grad()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+        left = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        flag = torch.zeros(ctx.world_size)
+        flag[ctx.rank] = float(not math.isfinite(loss.item()))
+        if agree:
+            torch.distributed.all_reduce(flag)
+        skip = bool(flag.any()) or (agree and not math.isfinite(norm.item()))
+        if not skip:
+            opt.step()
+        ctx.record(step, loss=loss.item(), norm=(left if norm_after else norm).item(), left=left.item(),
+                   skipped=int(skip))
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _each_rank_by_its_own_loss(ctx):
+    return _hand_loop(ctx, agree=False)
+
+
+def _norm_read_after_clipping(ctx):
+    return _hand_loop(ctx, norm_after=True)
+
+
+def test_lesson_09s_hand_written_loop_holds_its_claims(runs_root):
+    run = labkit.launch(_hand_loop, world_size=2, runs_root=runs_root, echo=False, progress=False)
+    assert stability.skipped_steps(run) == {0: [3], 1: [3]}
+    assert stability.clip_returned_norm_before(run, 5.0)[1] and stability.weights_match(run)[1]
+
+
+def test_a_flag_that_is_not_all_reduced_breaks_lesson_09s_skip_together_and_weights_checks(runs_root):
+    run = labkit.launch(_each_rank_by_its_own_loss, world_size=2, runs_root=runs_root, echo=False, progress=False)
+    skipped = stability.skipped_steps(run)
+    assert 3 in skipped[1] and 3 not in skipped[0]               # rank 0's loss was finite: it took the NaN step
+    assert skipped != {0: [3], 1: [3]}                           # lesson 09's check
+    gap, same = stability.weights_match(run)
+    assert not same                                              # rank 0's weights went NaN, rank 1's did not
+
+
+def test_a_norm_read_after_clipping_breaks_lesson_09s_returned_norm_check(runs_root):
+    run = labkit.launch(_norm_read_after_clipping, world_size=2, runs_root=runs_root, echo=False, progress=False)
+    said, ok = stability.clip_returned_norm_before(run, 5.0)
+    assert not ok and said.startswith("0 of ")
+
+
 # --- lesson 10 -----------------------------------------------------------------------------------------------
 
 def test_torch_lrs_gives_the_values_worked_by_hand_with_labkits_conventions():

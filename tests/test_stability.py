@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import time
+from types import SimpleNamespace
 
+import pandas as pd
 import pytest
 import torch
 import torch.distributed as dist
@@ -143,3 +145,44 @@ def test_clip_before_unscale_sees_the_norm_times_the_loss_scale(runs_root):
     assert (table["seen / true"] / table["loss_scale"]).sub(1).abs().max() < 1e-3
     assert (table["left_before"] < 1e-3 * table["left_after"]).all()
     assert (table["left_after"] <= 1.0 + 1e-5).all()
+
+
+def _records(**columns):
+    df = pd.DataFrame(columns)
+    return SimpleNamespace(df=df.assign(rank=0, step=range(len(df))))
+
+
+def test_the_returned_norm_check_needs_steps_on_both_sides_of_the_max():
+    before = _records(norm=[3.0, 7.0, 6.0], left=[3.0, 5.0, 5.0])
+    assert stability.clip_returned_norm_before(before, 5.0)[1]
+    assert not stability.clip_returned_norm_before(_records(norm=[3.0, 5.0, 5.0], left=[3.0, 5.0, 5.0]), 5.0)[1]
+    assert not stability.clip_returned_norm_before(_records(norm=[3.0, 7.0], left=[3.0, 7.0]), 5.0)[1]  # no clip
+    assert not stability.clip_returned_norm_before(_records(norm=[6.0, 7.0], left=[5.0, 5.0]), 5.0)[1]  # none below
+    assert stability.clip_returned_norm_before(_records(norm=[3.0, 7.0, math.nan], left=[3.0, 5.0, math.nan]), 5.0)[1]
+
+
+def test_skipped_steps_and_weights_match_read_what_each_rank_did():
+    df = pd.DataFrame({"rank": [0, 1, 0, 1], "step": [0, 0, 1, 1], "skipped": [0, 0, 1, 0]})
+    assert stability.skipped_steps(SimpleNamespace(df=df)) == {0: [1], 1: []}
+    same = [torch.ones(2), torch.zeros(3)]
+    results = {0: same, 1: [t.clone() for t in same]}
+    run = SimpleNamespace(world_size=2, result=lambda r: results[r])
+    assert stability.weights_match(run) == (0.0, True)
+    results[1] = [torch.ones(2), torch.tensor([0.0, math.nan, 0.0])]
+    assert not stability.weights_match(run)[1]
+    results[0], results[1] = [torch.full((2,), math.inf)], [torch.full((2,), math.inf)]
+    assert not stability.weights_match(run)[1]                     # equal, but not finite
+
+
+def test_the_alone_and_stop_readers_say_what_the_failure_holds():
+    waiting = SimpleNamespace(step=6, detail="waiting inside torch (graph.py:979), called at loop.py:146")
+    alone = SimpleNamespace(reason="hung", rank=1, detail="in dist.barrier (nonfinite.py:120)", statuses=[waiting, None])
+    assert stability.hung_in_barrier(alone, rank=1) == ("hung: rank 1, in barrier", True)
+    assert not stability.hung_in_barrier(alone, rank=0)[1]
+    assert not stability.hung_in_barrier(SimpleNamespace(reason="raised", rank=1, detail="barrier"), rank=1)[1]
+    assert stability.waits_in_torch(alone, rank=0, step=6) == ("rank 0 at step 6: waiting inside torch", True)
+    assert not stability.waits_in_torch(alone, rank=0, step=5)[1]
+    stop = SimpleNamespace(rank=1, step=5, detail="rank 1 went non-finite first, at step 5: loss nan, first "
+                           "non-finite gradient (in backward's order): transformer.ln_f.weight. Every rank stopped")
+    assert stability.names_the_culprit(stop, rank=1, step=5) == ("rank 1, step 5, transformer.ln_f.weight", True)
+    assert not stability.names_the_culprit(SimpleNamespace(rank=1, step=5, detail="loss nan"), rank=1, step=5)[1]

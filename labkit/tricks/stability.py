@@ -9,6 +9,9 @@ clipping did, and where the clip must go under fp16 with accumulation.
     stability.outcomes([(label, run, ending), ...]) # figure: how each nan_policy ended, per rank
     stability.everyone_waited(failure)              # "alone": nobody failed, every rank still waiting when reported
     stability.stopped_together(run, step)           # "stop": every rank's last step is `step`, and none took it
+    stability.hung_in_barrier(failure, rank=1)      # "alone": (what was seen, verdict) for the rank that quit,
+    stability.waits_in_torch(failure, 0, step=6)    # for its peer, blocked in the next step's collective,
+    stability.names_the_culprit(failure, 1, step=5) # and "stop"'s failure: the rank, step and first bad gradient
     flags = launch(stability.flag_cost, config=cfg) # steps take turns: with/without the nan_policy flag, at the
                                                     # config's batch and at GROWTH times it
     summary = stability.flag_cost_summary(flags)    # per batch: the step, the flag's checks, round trip and wait (ms),
@@ -17,6 +20,9 @@ clipping did, and where the clip must go under fp16 with accumulation.
     stability.flag_traffic(flags)                   # the agreement's collectives and bytes, counted
     orders = launch(stability.clip_orders, config=cfg16)   # fp16 + accumulation: the norm each placement sees
     stability.clip_order_table(orders)
+    stability.skipped_steps(run)                    # a hand-written loop's records: {rank: steps it skipped}
+    stability.clip_returned_norm_before(run, 5.0)   # its clip_grad_norm_ returned the norm before clipping
+    stability.weights_match(run)                    # every rank returned the same finite tensors
 
 Everything is read from records the ranks wrote; the workers here are launched like any function fn(ctx).
 """
@@ -69,6 +75,31 @@ def everyone_waited(failure: RankFailure) -> bool:
     """Whether every rank was still waiting when the watchdog reported (state "hung" or "waiting"): nobody failed,
     the job only stopped moving, as under nan_policy="alone":  everyone_waited(failure) -> True."""
     return all(s.state in ("hung", "waiting") for s in failure.statuses)
+
+
+def hung_in_barrier(failure: RankFailure, rank: int) -> tuple[str, bool]:
+    """Whether the watchdog reported `rank` hung in a barrier (where nan_policy="alone" leaves the rank that quit its
+    loop):  hung_in_barrier(failure, rank=1) -> ("hung: rank 1, in barrier", True)."""
+    where = "in barrier" if "barrier" in failure.detail else "elsewhere"
+    return f"{failure.reason}: rank {failure.rank}, {where}", (failure.reason, failure.rank, where) == \
+        ("hung", rank, "in barrier")
+
+
+def waits_in_torch(failure: RankFailure, rank: int, step: int) -> tuple[str, bool]:
+    """Whether `rank` was waiting inside a torch call at `step` when the watchdog reported (a peer blocked in a
+    collective the quitter never joins):  waits_in_torch(failure, rank=0, step=6) -> ("rank 0 at step 6: ...", True)."""
+    status = failure.statuses[rank]
+    return f"rank {rank} at step {status.step}: {status.detail.split(' (')[0]}", \
+        "waiting inside torch" in status.detail and status.step == step
+
+
+def names_the_culprit(failure: RankFailure, rank: int, step: int) -> tuple[str, bool]:
+    """Whether a nan_policy="stop" failure names `rank`, `step` and the first parameter whose gradient went
+    non-finite:  names_the_culprit(failure, rank=1, step=5) -> ("rank 1, step 5, transformer.h.0...", True)."""
+    marker = "first non-finite gradient (in backward's order): "
+    param = failure.detail.split(marker)[1].split(" ")[0].rstrip(".,") if marker in failure.detail else None
+    return f"rank {failure.rank}, step {failure.step}, {param}", (failure.rank, failure.step) == (rank, step) and \
+        param is not None
 
 
 def stopped_together(run: Run, step: int) -> bool:
@@ -318,3 +349,34 @@ def clip_order_table(run: Run) -> pd.DataFrame:
     out = rows[["loss_scale", "norm_scaled", "grad_norm", "left_before", "left_after"]].copy()
     out["seen / true"] = out["norm_scaled"] / out["grad_norm"]
     return out
+
+
+# --- a loop written by hand (the lesson's fn(ctx): clip_grad_norm_, then an all-reduced flag) ---------------------
+
+def skipped_steps(run: Run, column: str = "skipped") -> dict[int, list[int]]:
+    """Per rank, the steps it recorded with `column` == 1:  skipped_steps(run) -> {0: [3], 1: [3]}."""
+    return {int(rank): sorted(int(s) for s in rows.loc[rows[column] == 1, "step"])
+            for rank, rows in run.df.groupby("rank")}
+
+
+def clip_returned_norm_before(run: Run, max_norm: float, rank: int = 0) -> tuple[str, bool]:
+    """Whether the "norm" a loop recorded from clip_grad_norm_ is the norm before clipping, read against "left" (the
+    norm measured after it): left is max_norm where norm was above it and norm itself elsewhere. Finite steps on
+    both sides of max_norm are required, since with none above, a norm taken after clipping passes too.
+    Returns what was measured and the verdict:  clip_returned_norm_before(run, 5.0) -> ("3 of 7 ...", True)."""
+    rows = run.df[run.df["rank"] == rank]
+    rows = rows[rows["norm"].apply(math.isfinite)]
+    gap = float(((rows["left"] - rows["norm"].clip(upper=max_norm)).abs() / max_norm).max()) if len(rows) else math.inf
+    above = int((rows["norm"] > max_norm).sum())
+    ok = 1 <= above < len(rows) and gap < 1e-4
+    return f"{above} of {len(rows)} finite steps above {max_norm}; worst gap to min(norm, max) {gap:.1e}", ok
+
+
+def weights_match(run: Run) -> tuple[float, bool]:
+    """The largest difference between rank 0's returned tensors and another rank's, and whether every rank returned
+    finite tensors equal to rank 0's:  weights_match(run) -> (0.0, True)."""
+    first = run.result(0)
+    others = [run.result(r) for r in range(1, run.world_size)]
+    gap = max((float((a - b).abs().max()) for other in others for a, b in zip(first, other)), default=0.0)
+    finite = all(bool(torch.isfinite(t).all()) for tensors in [first, *others] for t in tensors)
+    return gap, finite and gap == 0.0 and all(len(o) == len(first) for o in others)
