@@ -107,6 +107,7 @@ def test_make_test_prints_the_count_at_the_end(tmp_path):
                     "    gated('quiet claim', lambda m: None, M(), others=lambda m: 0.0)\n"
                     "    not_checked('py-spy claim', 'ptrace is not permitted here')\n")
     (tmp_path / "conftest.py").write_text(Path(__file__).with_name("conftest.py").read_text())
+    (tmp_path / "claims_floor.json").write_text(Path(__file__).with_name("claims_floor.json").read_text())
     log = tmp_path / "claims.jsonl"
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)], cwd=tmp_path,
                          capture_output=True, text=True, env={**os.environ, claims.LOG_ENV: str(log)})

@@ -97,6 +97,9 @@ class Outcome:
     def checked(self) -> bool:
         return self.status == "checked"
 
+    def __repr__(self) -> str:   # short: a claim left as a cell's last line shows its verdict, not every field
+        return f"<{self.status}: {self.claim}>"
+
 
 def gated(claim: str, check: Callable[[Any], None], measured: Any = None, *,
           measure: Callable[[], Any] | None = None, others: Callable[[Any], float] | None = None,
