@@ -109,3 +109,11 @@ def test_make_test_counts_claims_per_lesson_and_gated_ones_apart():
                                   "lesson 07: 1 checked, 1 failed, 0 not checked",
                                   "lesson other: 1 checked, 0 failed, 0 not checked"]
     assert summary_lines(rows)[0] == "gated claims: 1 checked, 1 skipped"
+
+
+def test_the_closing_table_shows_each_claim_whole_and_left_aligned():
+    lesson = Claims("02")
+    claim = "a claim long enough that a plain table would cut it: " + "every word of it matters " * 3
+    lesson.check(claim, True, measured="1.0")
+    html = lesson.table()._repr_html_()
+    assert claim.strip() in html and "text-align: left" in html

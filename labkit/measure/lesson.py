@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
+import pandas as pd
+
 from . import claims as _claims
 from .claims import MARK, Outcome, line, shown
 
@@ -109,13 +111,25 @@ class Claims:
         self.outcomes[name] = outcome
         return outcome
 
-    def table(self):
+    def table(self) -> "ClaimTable":
         """The lesson's claims as a table, one row per claim: claim | measured here | verdict."""
-        import pandas as pd
         rows = [{"claim": o.claim.removeprefix(f"{self.lesson}: "), "measured here": o.measured or "",
                  "verdict": VERDICT[o.status] + (f" ({o.reason})" if o.status == "skipped" else "")}
                 for o in self.outcomes.values()]
-        table = pd.DataFrame(rows, columns=["claim", "measured here", "verdict"])
+        table = ClaimTable(rows, columns=["claim", "measured here", "verdict"])
         table.index = range(1, len(table) + 1)
         return table
+
+
+class ClaimTable(pd.DataFrame):
+    """A DataFrame that a notebook shows whole and left-aligned: a claim is a sentence, not a number to truncate."""
+
+    @property
+    def _constructor(self):
+        return pd.DataFrame   # what is computed from it is a plain table
+
+    def _repr_html_(self) -> str:
+        left = [("text-align", "left"), ("white-space", "normal")]
+        return (self.style.set_properties(**dict(left))
+                .set_table_styles([{"selector": "th", "props": left}]).to_html())
 
