@@ -30,6 +30,8 @@ def test_fingerprints_are_gathered_from_every_rank_and_an_injected_difference_is
                         runs_root=runs_root, echo=False)
     prints = run.result(0)
     assert len(prints) == 2 and prints[0]["pid"] != prints[1]["pid"]
+    assert prints[0]["backend"] == prints[1]["backend"] == "gloo"          # what each rank's group talks over
+    assert envcheck.fingerprint()["backend"] == "no process group"          # here, in the test process
     assert envcheck.mismatches(prints) == ["env.NCCL_IB_DISABLE"]
     clean = labkit.launch(envcheck.gather_worker, world_size=2, runs_root=runs_root, echo=False)
     assert envcheck.mismatches(clean.result(0)) == []

@@ -42,7 +42,9 @@ def fingerprint() -> dict[str, str]:
         "cudnn": str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else "None",
         "nccl": _nccl_version(),
         "gloo available": str(torch.distributed.is_gloo_available()),
+        "nccl available": str(torch.distributed.is_nccl_available()),
         "mpi available": str(torch.distributed.is_mpi_available()),
+        "backend": _backend(),
         "torch threads": str(torch.get_num_threads()),
         "cpu_count": str(os.cpu_count()),
         "cpu_affinity": str(len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else "n/a",
@@ -62,6 +64,12 @@ def _nccl_version() -> str:
     if not (torch.cuda.is_available() and torch.distributed.is_nccl_available()):
         return "None"
     return ".".join(str(v) for v in torch.cuda.nccl.version())
+
+
+def _backend() -> str:
+    # The backend this process's group talks over: what was chosen, not only what was compiled in.
+    dist = torch.distributed
+    return str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else "no process group"
 
 
 def _package_version(name: str) -> str:
