@@ -186,6 +186,51 @@ def test_two_cycles_are_not_plain_cosine_and_one_cycle_is(runs_root):
     one, two = launch(cfg.replace(cycles=1), runs_root), launch(cfg.replace(cycles=2), runs_root)
     assert schedules.lr_mismatch(one, schedules.cosine_with_warmup_lrs(one.config)) < schedules.LR_TOLERANCE
     assert not schedules.lr_mismatch(two, schedules.cosine_with_warmup_lrs(two.config)) < schedules.LR_TOLERANCE
+    # lesson 10's "one run through the warmup" check: the same LRs up to there, then not
+    assert schedules.loss_gap(one, two, until=cfg.warmup_steps) == 0.0 and schedules.loss_gap(one, two, 11) > 0
+
+
+def test_expected_restarts_are_where_the_cycles_cross_by_hand():
+    # 20 decay steps after a warmup of 2, two cycles: the second cycle starts 10 steps in, at step 12
+    assert schedules.expected_restarts(RunConfig(lr=1.0, steps=22, warmup_steps=2, schedule="cosine_restarts",
+                                                 cycles=2)) == [12]
+    # lesson 10's runs: 80 decay steps, three cycles, crossings at 26.7 and 53.3 steps in
+    assert schedules.expected_restarts(RunConfig(lr=1.0, steps=90, warmup_steps=10, schedule="cosine_restarts",
+                                                 cycles=3)) == [37, 64]
+    assert schedules.expected_restarts(RunConfig(lr=1.0, steps=22, warmup_steps=2, schedule="cosine_restarts",
+                                                 cycles=1)) == []
+
+
+def record_lrs(ctx):
+    lrs = [0.1, 0.2, 0.3, 0.3, 0.15, 0.15, 0.075 if ctx.rank == 0 else 0.3]
+    for step, lr in enumerate(lrs):
+        ctx.record(step, lr=lr)
+
+
+def test_cut_steps_and_first_step_at_read_the_records_by_hand(runs_root):
+    run = labkit.launch(record_lrs, world_size=2, runs_root=runs_root, echo=False, progress=False)
+    assert schedules.cut_steps(run) == [4, 6]                  # rank 0's LR went down at steps 4 and 6
+    assert schedules.first_step_at(run, 0.3) == 2              # both ranks at 0.3 first at step 2
+    assert schedules.first_step_at(run, 0.075) is None         # only rank 0 ever trained at 0.075
+    assert run.lr_disagreement() == 6
+
+
+def warmup_then_record(ctx, per_micro=False, accum=4, warmup=5):
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    ramp = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1 / warmup, total_iters=warmup)
+    for step in range(8):
+        ctx.record(step, lr=opt.param_groups[0]["lr"])
+        for _ in range(accum if per_micro else 1):
+            opt.step()
+            ramp.step()
+
+
+def test_a_scheduler_stepped_per_micro_batch_breaks_lesson_10s_warmup_check(runs_root):
+    good = labkit.launch(warmup_then_record, world_size=2, runs_root=runs_root, echo=False, progress=False)
+    assert schedules.first_step_at(good, 0.1) == 5             # the lesson's check: peak at step WARMUP
+    broken = labkit.launch(lambda ctx: warmup_then_record(ctx, per_micro=True), world_size=2, runs_root=runs_root,
+                           echo=False, progress=False)
+    assert schedules.first_step_at(broken, 0.1) == 2           # four scheduler steps per optimizer step
 
 
 def test_a_restart_compared_with_itself_raises_nothing(runs_root):

@@ -64,3 +64,20 @@ def test_deterministic_true_takes_effect_inside_the_ranks_and_a_no_op_switch_is_
     broken = labkit.launch(train_then_read_switches, config=cfg.replace(deterministic=True), runs_root=runs_root,
                            echo=False)
     assert not any(broken.result(r)["deterministic_algorithms"] for r in range(2))
+
+
+def test_agreement_counts_equal_positions_and_refuses_other_shapes():
+    from labkit.tricks import seeds
+    a = torch.tensor([True, False, True, False])
+    assert seeds.agreement(a, a) == 1.0 and seeds.agreement(a, ~a) == 0.0
+    assert seeds.agreement(a, torch.tensor([True, True, True, True])) == 0.5
+    with pytest.raises(ValueError, match="shapes"):
+        seeds.agreement(a, a[:2])
+
+
+def test_the_streams_figure_draws_one_lane_per_rank():
+    from labkit.tricks import seeds
+    fig = seeds.streams_figure(world_size=3)
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert [t for t in texts if t.startswith("rank ")] == ["rank 0", "rank 1", "rank 2"]
+    assert sum("rank_seed(1234, 2)" in t for t in texts) == 1

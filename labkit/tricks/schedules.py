@@ -11,6 +11,10 @@ ranks' agreement, warmup's effect on an early spike, and restarts.
     schedules.rank_lrs(run)               # figure: each rank's held-out loss and LR (the per-rank plateau bug)
     schedules.early_climb(run, within=10) # how far the loss climbed back above its first value, and when
     schedules.restart_steps(run)          # steps at which the LR jumped back up
+    schedules.expected_restarts(cfg)      # ... and where transformers' schedule puts those jumps
+    schedules.cut_steps(run)              # steps at which the LR went down (a plateau's cuts)
+    schedules.first_step_at(run, 0.1)     # first step at which every rank trained at that LR (warmup's end)
+    schedules.loss_gap(hard, plain, until=10)   # largest |loss difference| of two runs over steps 0..until
     schedules.restart_rises(hard, plain)  # per restart: how much the loss rose against plain cosine, same steps
     schedules.tail_loss(run, last=5)      # mean loss of the last steps
 """
@@ -147,6 +151,34 @@ def restart_steps(run: Run) -> list[int]:
     lr = run.steps().set_index("step")["lr"]
     after = lr.loc[run.config.warmup_steps:]
     return [int(s) for s in after.index[1:][after.values[1:] > after.values[:-1]]]
+
+
+def expected_restarts(config: RunConfig) -> list[int]:
+    """The steps after the warmup at which the schedule's own LRs (reference_lrs) jump back up: where transformers
+    puts the restarts of config's cosine with hard restarts."""
+    lrs = reference_lrs(config)
+    return [s for s in range(config.warmup_steps + 1, config.steps) if lrs[s] > lrs[s - 1]]
+
+
+def cut_steps(run: Run) -> list[int]:
+    """Steps at which rank 0's recorded LR went down from the step before: a plateau scheduler's cuts."""
+    df = run.read_records()
+    lr = df[df["rank"] == 0].set_index("step")["lr"].sort_index()
+    return [int(s) for s in lr.index[1:][lr.values[1:] < lr.values[:-1]]]
+
+
+def first_step_at(run: Run, lr: float, rel: float = 1e-9) -> int | None:
+    """The first step at which every rank recorded `lr` (to a relative `rel`): where a warmup reached its peak.
+    None if no step did."""
+    df = run.read_records()
+    hit = df.groupby("step")["lr"].apply(lambda lrs: bool(((lrs - lr).abs() <= rel * abs(lr)).all()))
+    return int(hit.index[hit][0]) if hit.any() else None
+
+
+def loss_gap(a: Run, b: Run, until: int) -> float:
+    """The largest |loss of a - loss of b| (mean over ranks) over steps 0..until: 0.0 while two runs are one run."""
+    gap = a.steps().set_index("step")["loss"] - b.steps().set_index("step")["loss"]
+    return float(gap.loc[:until].abs().max())
 
 
 def restart_rises(hard: Run, plain: Run, within: int = 5) -> list[float]:
