@@ -107,7 +107,8 @@ def test_a_lesson_below_its_floor_is_named():
     lesson = next(iter(data["floor"]), None)
     if lesson is None:
         pytest.skip("no lesson has a floor yet")
-    few = [Outcome(f"{lesson}: claim {i}", "checked", 1, [], 0.0, kind="check") for i in range(data["floor"][lesson] - 1)]
+    few = [Outcome(f"{lesson}: claim {i}", "checked", 1, [], 0.0, kind="check")
+           for i in range(data["floor"][lesson] - 1)]
     assert claims_below_floor(few) == [f"lesson {lesson}: {len(few)} claims logged, fewer than its floor of "
                                        f"{data['floor'][lesson]} (tests/claims_floor.json)"]
     assert claims_below_floor(few + [Outcome(f"{lesson}: one more", "skipped", 0, [], 0.0)]) == []

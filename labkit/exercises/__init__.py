@@ -6,6 +6,7 @@
     report = ex.check_ddp(MyBucketedDDP, bucket_size_mb=0.01) # and respect the bucket size
     report = ex.check_sharded_optimizer(MyShardedOptimizer)   # ZeRO-1: same steps, 1/N of the state per rank
     report = ex.check_pipeline(my_1f1b)                       # 1F1B for two stages with send/recv
+    report = ex.check_ring(my_ring)                           # ring attention, on 2 and 4 ranks
     print(report); report.measured                            # what was checked, and the numbers behind it
     MyDDP = report.use(ex.NaiveDDP)                           # yours if it passed (blank mode: the reference)
     ex.solved_copy("notebooks/16_build_ddp_yourself.ipynb", "16.solved.ipynb")   # the folded solutions put in
@@ -25,6 +26,7 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     speeds.py      wrappers side by side on a tiny GPT-2 (TorchDDP: torch's DDP behind the same interface)
     zero_runs.py   optimizer state per rank at several world sizes; training curves
     pipe_rank.py   inside a rank: drive a two-stage pipeline step;  checks_pipeline.py: judge it, one_f_one_b
+    checks_ring.py ring attention (context parallelism): the Ring a learner uses, the reference, its checker
     charts.py      timeline, bucket_sweep, state_per_rank
     blanks.py      stubs first, solutions folded; solved and blank copies (python -m labkit.exercises ...)
 """
@@ -32,11 +34,12 @@ from .blanks import blank_copy, solved_copy, write_first
 from .checknet import CheckNet
 from .checks_ddp import check_ddp
 from .checks_pipeline import check_pipeline, one_f_one_b
+from .checks_ring import Ring, check_ring, ring_attention
 from .checks_zero import check_sharded_optimizer
 from .holdings import state_holdings
 from .references import BucketedDDP, NaiveDDP, OverlapDDP, ShardedOptimizer, plan_buckets
 from .report import ExerciseFailed, Finding, Report, blank_mode
 
-__all__ = ["check_ddp", "check_sharded_optimizer", "check_pipeline", "one_f_one_b", "NaiveDDP", "OverlapDDP", "BucketedDDP", "ShardedOptimizer",
+__all__ = ["check_ring", "ring_attention", "Ring", "check_ddp", "check_sharded_optimizer", "check_pipeline", "one_f_one_b", "NaiveDDP", "OverlapDDP", "BucketedDDP", "ShardedOptimizer",
            "plan_buckets", "Report", "Finding", "ExerciseFailed", "blank_mode", "blank_copy", "solved_copy", "write_first", "CheckNet",
            "state_holdings"]

@@ -1,7 +1,7 @@
 """Write first, then read the answer: the ✏️ exercise cells of a lesson ship as stubs, each answer folded below its
 checker; and the copies that tests and learners need.
 
-    write_first("notebooks/16_build_ddp_yourself.ipynb")  # stubs in the ✏️ cells, each solution folded after its checker
+    write_first("notebooks/16_build_ddp_yourself.ipynb")  # ✏️ cells to stubs, each solution folded after its checker
     solved_copy("notebooks/16_build_ddp_yourself.ipynb", "/tmp/16.solved.ipynb")   # the solutions put back (CI runs it)
     blank_copy("notebooks/16_build_ddp_yourself.ipynb")   # -> 16_build_ddp_yourself.blank.ipynb, in blank mode
     python -m labkit.exercises blank|solved|write-first NOTEBOOK [--out PATH]     # the same, from a terminal
@@ -121,8 +121,8 @@ def _checker_after(cells: list[dict], start: int) -> int:
 
 
 def write_first(notebook: str | Path, out: str | Path | None = None) -> Path:
-    """Turn each solved ✏️ cell of `notebook` into a stub, its solution folded after its checker (in place by default).
-    A notebook already written this way is left as it is."""
+    """Turn each solved ✏️ cell of `notebook` into a stub, its solution folded after its checker (in place by
+    default). A notebook already written this way is left as it is."""
     notebook = Path(notebook)
     data = json.loads(notebook.read_text())
     cells = data["cells"]
@@ -139,7 +139,7 @@ def write_first(notebook: str | Path, out: str | Path | None = None) -> Path:
 
 
 def solved_copy(notebook: str | Path, out: str | Path) -> Path:
-    """A copy of `notebook` whose ✏️ cells hold their folded solutions: the lesson as a learner who solved it runs it."""
+    """A copy of `notebook` whose ✏️ cells hold their folded solutions: the lesson as one who solved it runs it."""
     notebook = Path(notebook)
     data = json.loads(notebook.read_text())
     cells = data["cells"]
