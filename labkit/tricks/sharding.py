@@ -1,6 +1,6 @@
 """Every rank must see its own data: DistributedSampler's traps, uneven inputs, and skewed shards.
 
-    from labkit import sharding
+    from labkit.tricks import sharding
     sharding.sampler_ids(n=10, world=4, rank=1, epoch=0)                  # the sample ids rank 1 reads
     sharding.plot_shards(n=10, world=4)                                   # every rank's ids, padding marked
     run = labkit.launch(functools.partial(sharding.read_epochs, n=20, epochs=2, set_epoch=False), world_size=2)
