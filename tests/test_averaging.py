@@ -53,6 +53,8 @@ def test_a_larger_period_lets_ranks_diverge_and_brings_them_together_at_each_ave
     assert all(b > 0 for b in before)
     assert after[1] < after[2] < after[3] < before[4] and before[5] < before[6]   # growing between averagings
     assert run.df.groupby("step")["divergence"].nunique().eq(1).all()  # every rank measures the same number
+    from labkit.tricks.averaging import ranks_sent_alike
+    assert ranks_sent_alike(run) == (7, True)
     params = sum(p.numel() for p in shared_model(CFG).parameters())
     assert _rank0(run, "comm_bytes") == [params * 4 if s in averaged else 0 for s in range(7)]   # counted
     assert _rank0(run, "allreduces") == [int(s in averaged) for s in range(7)]
@@ -108,3 +110,29 @@ def test_hogwild_refuses_a_model_that_is_not_shared(runs_root, no_leftovers):
     model = torch.nn.Linear(64, 10)   # not in shared memory: each rank would train its own copy
     with pytest.raises(labkit.RankFailure, match="not in shared memory"):
         labkit.launch(Hogwild(model), config=CFG, runs_root=runs_root, echo=False, timeout=30, start_method="fork")
+
+
+def _timeline(period, steps, *, skip=None):
+    """A made-up timeline of a local-SGD run: bytes and reunions at the averager's steps (but not at `skip`)."""
+    import pandas as pd
+    rows = []
+    for s in range(steps):
+        avg = averages_at(s, period) and s != skip
+        rows.append({"step": s, "comm_bytes": 400 if avg else 0, "allreduces": int(avg),
+                     "divergence_before": 0.1 + (s % period) * 0.1, "divergence": 0.0 if avg else 0.1 + (s % period) * 0.1})
+    return pd.DataFrame(rows)
+
+
+def test_the_lessons_claims_about_a_local_sgd_timeline_hold_on_a_good_one_and_fail_on_a_broken_one():
+    from labkit.tricks import averaging
+    good = _timeline(4, 12)
+    assert averaging.schedule_check(good, 4, 12) == ([0, 4, 8], True)
+    assert averaging.one_all_reduce_per_averaging(good, 4, n_params=100)[1]
+    assert averaging.apart_between_averagings(good, 4) == (pytest.approx(0.2), True)
+    assert averaging.divergence_grows_in_a_period(good, 4)[1]
+    broken = _timeline(4, 12, skip=4)          # an averaging that sent nothing and left the ranks apart
+    assert averaging.schedule_check(broken, 4, 12) == ([0, 8], False)
+    assert not averaging.one_all_reduce_per_averaging(broken, 4, n_params=100)[1]
+    flat = good.assign(divergence=0.3)         # a distance that does not grow through a period
+    assert not averaging.divergence_grows_in_a_period(flat, 4)[1]
+    assert not averaging.apart_between_averagings(good.assign(divergence=0.0), 4)[1]

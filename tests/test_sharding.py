@@ -63,3 +63,19 @@ def test_cutting_to_the_shortest_trains_fewer_batches_and_lesson_07s_join_assert
     run = labkit.launch(functools.partial(sharding.uneven_epoch, batches=(5, 2), join=False, cut_to_shortest=True),
                         world_size=2, timeout=20, runs_root=runs_root, echo=False)
     assert batches_trained(run) == [2, 2] != [5, 2]
+
+
+def test_split_exactly_accepts_disjoint_covering_shares_and_rejects_overlap_or_gaps():
+    good = [[[0, 2], [3, 1]], [[1, 3], [0, 2]]]            # two ranks, two epochs each
+    assert sharding.split_exactly(good, n=4) == (2, True)
+    assert sharding.split_exactly([[[0, 2]], [[0, 3]]], n=4) == (1, False)   # 0 read twice, 1 never
+    reads = [[sharding.sampler_ids(10, 4, r, 0)] for r in range(4)]
+    assert sharding.split_exactly(reads, n=10) == (1, False)                 # padded: repeats
+
+
+def test_plot_shards_draws_every_rank_and_the_ids_left_out():
+    fig = sharding.plot_shards.__wrapped__(10, 4)    # the figure itself, not shown
+    padded, dropped = fig.axes
+    assert [t.get_text() for t in padded.get_yticklabels()] == ["rank 0", "rank 1", "rank 2", "rank 3"]
+    assert [t.get_text() for t in dropped.get_yticklabels()][-1] == "never read"
+    assert len(padded.texts) == 12 and len(dropped.texts) == 8 + 2           # 3 ids per rank; 2 each + 2 lost

@@ -268,6 +268,45 @@ def timeline(run: Run) -> pd.DataFrame:
     return out
 
 
+
+# The lesson's claims about one local-SGD run, each a function of timeline(run) that returns (measured, holds).
+
+def schedule_check(t: pd.DataFrame, period: int, steps: int) -> tuple[list[int], bool]:
+    """The steps that sent bytes, and whether the ranks met again (divergence 0) at exactly those steps and they are
+    PeriodicModelAverager's:  sent, ok = schedule_check(timeline(run), period=4, steps=128)."""
+    planned = [s for s in range(steps) if averages_at(s, period)]
+    sent = t.loc[t["comm_bytes"] > 0, "step"].tolist()                                   # counted, as issued
+    met = t.loc[(t["divergence"] == 0.0) & (t["divergence_before"] > 0), "step"].tolist()  # measured
+    return sent, sent == met == planned and len(planned) == math.ceil(steps / period)
+
+
+def ranks_sent_alike(run: Run) -> tuple[int, bool]:
+    """Steps recorded, and whether every rank issued the same collectives and bytes at each:  ranks_sent_alike(run)."""
+    per_step = run.read_records().groupby("step")[["allreduces", "comm_bytes"]].nunique()
+    return len(per_step), bool(per_step.eq(1).all().all())
+
+
+def one_all_reduce_per_averaging(t: pd.DataFrame, period: int, n_params: int) -> tuple[str, bool]:
+    """Whether each averaging step issued one collective of every fp32 parameter:
+    one_all_reduce_per_averaging(timeline(run), 4, n_params)."""
+    at = t[[averages_at(s, period) for s in t["step"]]]
+    shown = f"{at['allreduces'].max()} collective(s), {at['comm_bytes'].max()} bytes"
+    return shown, bool((at["allreduces"] == 1).all() and (at["comm_bytes"] == n_params * 4).all())
+
+
+def apart_between_averagings(t: pd.DataFrame, period: int) -> tuple[float, bool]:
+    """The smallest divergence at a step that did not average, and whether it is above 0 at every such step."""
+    off = t.loc[[not averages_at(s, period) for s in t["step"]], "divergence"]
+    return (float(off.min()) if len(off) else float("nan")), bool((off > 0).all())
+
+
+def divergence_grows_in_a_period(t: pd.DataFrame, period: int) -> tuple[list[float], bool]:
+    """Mean divergence one step after an averaging, halfway through a period, and on its last step, and whether it
+    grows in that order:  divergence_grows_in_a_period(timeline(run), 16)."""
+    profile = t.groupby(t["step"] % period)["divergence"].mean()
+    points = [float(profile[1]), float(profile[period // 2]), float(profile[period - 1])]
+    return [round(p, 4) for p in points], points[0] < points[1] < points[2]
+
 @shown
 def plot_timelines(runs: Sequence[Run], labels: Sequence[str] | None = None, title: str | None = None, *,
                    smooth: int = 1, divergence_steps: int | None = None) -> Figure:

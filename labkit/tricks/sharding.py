@@ -1,7 +1,8 @@
 """Every rank must see its own data: DistributedSampler's traps, uneven inputs, and skewed shards.
 
-    from labkit import sharding
+    from labkit.tricks import sharding
     sharding.sampler_ids(n=10, world=4, rank=1, epoch=0)                  # the sample ids rank 1 reads
+    sharding.plot_shards(n=10, world=4)                                   # every rank's ids, padding marked
     run = labkit.launch(functools.partial(sharding.read_epochs, n=20, epochs=2, set_epoch=False), world_size=2)
     run = labkit.launch(functools.partial(sharding.uneven_epoch, batches=(6, 4), join=True), world_size=2)
     run = labkit.launch(functools.partial(sharding.train_shards, iid=False, period=16), world_size=2)
@@ -17,11 +18,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from matplotlib.figure import Figure
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
 from ..training.data import digits_data
+from ..view import COLORS, new_figure, shown
 
 
 def sampler_ids(n: int, world: int, rank: int, epoch: int, *, set_epoch: bool = True, shuffle: bool = True,
@@ -44,6 +47,48 @@ def duplicates(ids_per_rank: list[list[int]]) -> int:
     """How many reads in one epoch are repeats of a sample some rank already read."""
     reads = [i for ids in ids_per_rank for i in ids]
     return len(reads) - len(set(reads))
+
+
+def split_exactly(reads: list[list[list[int]]], n: int) -> tuple[int, bool]:
+    """Epochs compared, and whether in each the ranks' reads are disjoint and cover ids 0..n-1 once:
+    split_exactly([run.result(r) for r in range(2)], n=20), each result one list of ids per epoch."""
+    epochs = list(zip(*reads))
+    return len(epochs), all(sorted(i for ids in epoch for i in ids) == list(range(n)) for epoch in epochs)
+
+
+@shown
+def plot_shards(n: int, world: int, *, epoch: int = 0, seed: int = 0) -> Figure:
+    """What DistributedSampler hands each rank in one epoch, padded (left) and with drop_last (right):
+
+        sharding.plot_shards(n=10, world=4)
+
+    One row per rank, one box per id it reads, in order. The sampler shuffles the ids, pads the list to a multiple
+    of `world` by repeating its first ids (or cuts it, with drop_last), and gives rank r every world-th id from r."""
+    fig = new_figure(figsize=(11, 0.55 * world + 1.6))
+    for ax, drop_last in zip(fig.subplots(1, 2), (False, True)):
+        reads = [sampler_ids(n, world, r, epoch, seed=seed, drop_last=drop_last) for r in range(world)]
+        rows = [(f"rank {r}", ids, [r + j * world >= n for j in range(len(ids))]) for r, ids in enumerate(reads)]
+        if drop_last:
+            lost = sorted(set(range(n)) - {i for ids in reads for i in ids})
+            rows.append(("never read", lost, [True] * len(lost)))
+        for y, (label, ids, marked) in enumerate(rows):
+            for x, (i, extra) in enumerate(zip(ids, marked)):
+                ax.add_patch(_box(x, y, COLORS[1] if extra else COLORS[0]))
+                ax.text(x + 0.5, y + 0.5, str(i), ha="center", va="center", color="white", fontsize=11)
+        width = max(len(ids) for _, ids, _ in rows)
+        ax.set(xlim=(0, width), ylim=(len(rows), 0), yticks=[y + 0.5 for y in range(len(rows))],
+               yticklabels=[label for label, _, _ in rows], xticks=[])
+        ax.set_title(f"drop_last=True: {-padding(n, world, True)} ids left out" if drop_last
+                     else f"padded: {padding(n, world)} repeated reads (red)", fontsize=10)
+        for side in ax.spines.values():
+            side.set_visible(False)
+    fig.suptitle(f"DistributedSampler, {n} ids over {world} ranks, epoch {epoch}")
+    return fig
+
+
+def _box(x: float, y: float, color: str):
+    from matplotlib.patches import Rectangle
+    return Rectangle((x + 0.05, y + 0.08), 0.9, 0.84, color=color)
 
 
 def read_epochs(ctx: Any, *, n: int, epochs: int, set_epoch: bool, drop_last: bool = False) -> list[list[int]]:
