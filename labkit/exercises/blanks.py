@@ -1,7 +1,7 @@
 """Write first, then read the answer: the ✏️ exercise cells of a lesson ship as stubs, each answer folded below its
 checker; and the copies that tests and learners need.
 
-    write_first("notebooks/16_build_ddp_yourself.ipynb")  # ✏️ cells to stubs, each solution folded after its checker
+    write_first("notebooks/16_build_ddp_yourself.ipynb")   # ✏️ cells to stubs, solutions folded after checkers
     solved_copy("notebooks/16_build_ddp_yourself.ipynb", "/tmp/16.solved.ipynb")   # the solutions put back (CI runs it)
     blank_copy("notebooks/16_build_ddp_yourself.ipynb")   # -> 16_build_ddp_yourself.blank.ipynb, in blank mode
     python -m labkit.exercises blank|solved|write-first NOTEBOOK [--out PATH]     # the same, from a terminal
