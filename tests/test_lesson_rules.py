@@ -25,7 +25,7 @@ TIMING_WORDS = {
     "waited", "delay", "speed", "speedup", "faster", "slower", "throughput", "bandwidth", "busbw", "algbw", "gbps",
     "bw", "flops", "alpha", "busy", "others", "share", "cpu", "clock", "launch", "bubble",
 }
-TIMING_NAME = re.compile(r"(^t_|_(s|ms|us|ns)$|per_s)")   # t_step, save_s, median_ms, samples_per_s
+TIMING_NAME = re.compile(r"(^t_|_(s|ms|us|ns)$|per_s(?![a-z]))")   # t_step, save_s, median_ms, samples_per_s
 PER_SECOND = re.compile(r"/\s*s\b")                         # "samples/s"
 N_WORD = r"(?:\d+|one|two|three|four|six|eight|a single)"
 MACHINE_CORES = re.compile(rf"(?:this|the) machine(?:(?:'|\u2019)s|\s+has)\s+{N_WORD}\s+(?:cpu\s+)?cores?"
@@ -267,6 +267,7 @@ def test_a_planted_ungated_timing_assert_is_caught(tmp_path):
                                            "assert FP32_WIRE_SHARE < 0.25\n"
                                            "ratio = len(counts)\nassert ratio == 3\n"
                                            "assert same['samples_per_s'] < 1.4\n"
+                                           "one_per_step = len(calls)\nassert one_per_step == 1\n"
                                            "assert run.finished and len(counts) == 3\n"))
     assert ungated_timing_asserts(code_cells(planted)) == [
         "ratio > 1.5", "table['cores busy'].iloc[1] < 1.4", "FP32_WIRE_SHARE < 0.25", "same['samples_per_s'] < 1.4"]
