@@ -127,6 +127,37 @@ def layout(world: int, batch_per_rank: int, grad_accum: int = 1, *, base_lr: flo
             "warmup steps (1 epoch)": warmup_steps_for(epoch_samples, batch)}
 
 
+def warmup_ramps(base_lr: float, k: int, warmup_steps: int) -> pd.DataFrame:
+    """The two linear warmups to k x base_lr, step by step (one row per warmup step, then the first step after):
+
+        warmup_ramps(0.03, k=8, warmup_steps=6)
+
+    "labkit (from peak/warmup)": labkit's schedule, at peak * (s + 1) / warmup_steps on step s (peak = k x base_lr):
+    it starts near zero when warmup_steps is large. "Goyal et al. (from base_lr)": the gradual warmup of Goyal et al.
+    2017, which starts at the small batch's rate and adds the same amount each step until it reaches k x base_lr."""
+    _check_positive_int("k", k)
+    _check_positive_int("warmup_steps", warmup_steps)
+    peak = base_lr * k
+    steps = range(warmup_steps + 1)
+    return pd.DataFrame({"labkit (from peak/warmup)": [peak * min(1.0, (s + 1) / warmup_steps) for s in steps],
+                         "Goyal et al. (from base_lr)": [base_lr + (peak - base_lr) * min(1.0, s / warmup_steps)
+                                                         for s in steps]},
+                        index=pd.RangeIndex(warmup_steps + 1, name="step"))
+
+
+def replay_one_process(model: Any, batches: Sequence[Any], loss_fn: Any, lr: float) -> list[Any]:
+    """Train `model` in one process with plain SGD, one optimizer step per batch of `batches` (each the whole
+    global batch of a step), and return its parameters: what a data-parallel run that steps on the same samples
+    should end with.  replay_one_process(make_model(), [x0, x1], loss_fn, lr=0.1); loss_fn(model, x) -> loss."""
+    import torch
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for batch in batches:
+        opt.zero_grad()
+        loss_fn(model, batch).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
 # --- the lesson's table and figure ---------------------------------------------------------------------------
 
 def sweep_table(timed: Mapping[str, Any], cores: int) -> pd.DataFrame:
