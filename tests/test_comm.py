@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -119,3 +120,87 @@ def test_a_ring_prediction_is_the_model_time_and_its_busbw():
     assert row["size"] == "1 MiB" and row["ranks"] == 4
     assert row["predicted ms"] == round(t * 1e3, 3)
     assert row["busbw GB/s"] == round(1.5 * MiB / t / 1e9, 3)
+
+
+# --- lesson 02: the collectives' definitions, the ring drawn, and the speed claims' checks --------------------
+
+def test_expected_after_works_out_each_collective_by_hand():
+    two = comm.expected_after([[0, 1, 2, 3], [10, 11, 12, 13]])
+    assert [r["all_reduce"] for r in two] == [[10, 12, 14, 16]] * 2
+    assert [r["broadcast"] for r in two] == [[0, 1, 2, 3]] * 2
+    assert [r["all_gather"] for r in two] == [[0, 1, 2, 3, 10, 11, 12, 13]] * 2
+    assert [r["reduce_scatter"] for r in two] == [[10, 12], [14, 16]]
+    with pytest.raises(ValueError, match="divide"):
+        comm.expected_after([[0, 1, 2], [3, 4, 5]])
+
+
+def test_the_real_collectives_leave_what_expected_after_says(runs_root, no_leftovers):
+    import torch.distributed as dist
+    import labkit
+
+    def four(ctx):
+        x = torch.arange(4.0) + 10 * ctx.rank
+        out = {"start": x.tolist()}
+        y = x.clone(); dist.all_reduce(y); out["all_reduce"] = y.tolist()
+        y = x.clone(); dist.broadcast(y, src=0); out["broadcast"] = y.tolist()
+        parts = [torch.empty_like(x) for _ in range(ctx.world_size)]
+        dist.all_gather(parts, x); out["all_gather"] = torch.cat(parts).tolist()
+        mine = torch.empty(2); dist.reduce_scatter(mine, list(x.chunk(2))); out["reduce_scatter"] = mine.tolist()
+        return out
+
+    run = labkit.launch(four, world_size=2, runs_root=runs_root, echo=False, progress=False)
+    held = [run.result(r) for r in range(2)]
+    expected = comm.expected_after([h["start"] for h in held])
+    assert all(h[op] == e[op] for h, e in zip(held, expected) for op in e)
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_the_ring_takes_2n_minus_2_steps_and_ends_with_the_full_sum_everywhere(world):
+    steps = comm.ring_allreduce_steps(world)
+    assert len(steps) == 1 + 2 * (world - 1)
+    everyone = frozenset(range(world))
+    after_reduce_scatter = steps[world - 1][1]
+    assert [sum(cell == everyone for cell in row) for row in after_reduce_scatter] == [1] * world  # one chunk each
+    assert all(cell == everyone for row in steps[-1][1] for cell in row)
+    assert all(sorted(sent) == list(range(world)) for _, _, sent in steps[:-1])   # every rank sends one chunk a step
+    fig = comm.plot_ring(world)
+    assert len(fig.axes) == len(steps)
+
+
+def _bench(world: int, alpha: float, bandwidth: float, others: float = 0.0):
+    """A stand-in for a metered benchmark: the ring model's times, exactly, for all_reduce and broadcast."""
+    from types import SimpleNamespace
+    sizes = comm.message_sizes(4096, 16 * MiB, 4)
+    rows = [{"op": op, "backend": "gloo", "world_size": world, "size_bytes": s,
+             "time_s": float(comm.ring_time(s, world, alpha, bandwidth)), "skipped": ""}
+            for op in ("all_reduce", "broadcast") for s in sizes]
+    df = pd.DataFrame(rows)
+    df["busbw_GBps"] = [comm.busbw(o, s, t, world) for o, s, t in zip(df.op, df.size_bytes, df.time_s)]
+    return SimpleNamespace(value=df, others=others, again=lambda: _bench(world, alpha, bandwidth))
+
+
+def test_the_speed_checks_pass_on_what_they_claim_and_fail_otherwise():
+    two, four = _bench(2, 2e-4, 1e9), _bench(4, 3e-4, 4e8)
+    assert "growth" in comm.busbw_grows(two) and "bandwidth term" in comm.small_messages_are_latency_bound(two)
+    assert comm.ring_model_fits(two) == "median error 0%"
+    assert "x at 16 MiB" in comm.more_ranks_take_longer((two, four))
+    assert comm.more_ranks_lower_bandwidth((two, four)).startswith("B 0.40 vs 1.00")
+    with pytest.raises(AssertionError):
+        comm.more_ranks_lower_bandwidth((four, two))
+    flat = _bench(2, 1e-9, 1e9)           # next to no latency: small messages are not latency-bound
+    with pytest.raises(AssertionError):
+        comm.small_messages_are_latency_bound(flat)
+
+
+def test_shared_lets_the_next_claim_start_from_a_fresh_measurement():
+    from types import SimpleNamespace
+    made = []
+
+    def measure(others):
+        made.append(others)
+        return SimpleNamespace(value=len(made), others=others, again=lambda: measure(0.0),
+                               wait_for_quiet=lambda limit, timeout_s=10.0: 0.0)
+
+    shared = comm.Shared(measure(0.9))
+    assert shared.others == 0.9 and shared.again() is shared
+    assert (shared.others, shared.value, made) == (0.0, 2, [0.9, 0.0])

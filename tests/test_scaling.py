@@ -1,4 +1,5 @@
 import numpy as np
+import pandas as pd
 import pytest
 
 from labkit import RunConfig
@@ -120,3 +121,88 @@ def test_accumulation_trains_as_the_one_batch_does_and_the_check_sees_a_differen
     assert (runs["accum"].df.groupby("step")["samples"].sum() == 32).all()
     assert (loss["accum"] - loss["one"]).abs().max() < 1e-5
     assert (loss["other"] - loss["one"]).abs().max() > 1e-5
+
+
+def test_the_two_warmup_ramps_start_apart_and_meet_at_the_peak():
+    ramps = scaling.warmup_ramps(0.03, k=8, warmup_steps=6)
+    kit, goyal = ramps["labkit (from peak/warmup)"], ramps["Goyal et al. (from base_lr)"]
+    assert kit.iloc[0] == pytest.approx(0.24 / 6) and goyal.iloc[0] == pytest.approx(0.03)   # peak/warmup vs eta
+    assert kit.iloc[-1] == goyal.iloc[-1] == pytest.approx(0.24)
+    assert (kit.diff().dropna() >= 0).all() and (goyal.diff().dropna() > 0).all()
+    from labkit.training.lr import lr_at                                   # the schedule labkit really runs
+    assert kit.tolist() == pytest.approx([lr_at(s, peak=0.24, steps=100, warmup_steps=6) for s in range(7)])
+
+
+def test_replay_one_process_is_what_ddp_with_accumulation_ends_with(runs_root, no_leftovers):
+    import contextlib
+    import torch
+    import labkit
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def make_model():
+        torch.manual_seed(0)
+        return torch.nn.Linear(3, 1)
+
+    def loss_fn(model, x):
+        return model(x).square().mean()
+
+    def ranks(ctx):
+        model, seen, data = DDP(make_model()), [], torch.Generator().manual_seed(ctx.rank)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            for micro in range(2):
+                seen.append(torch.randn(2, 3, generator=data))
+                with model.no_sync() if micro == 0 else contextlib.nullcontext():
+                    (loss_fn(model, seen[-1]) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach() for p in model.parameters()], seen
+
+    run = labkit.launch(ranks, world_size=2, runs_root=runs_root, echo=False, progress=False)
+    (params, seen0), (_, seen1) = run.result(0), run.result(1)
+    batches = [torch.cat([seen0[2 * s], seen0[2 * s + 1], seen1[2 * s], seen1[2 * s + 1]]) for s in range(2)]
+    one = scaling.replay_one_process(make_model(), batches, loss_fn, lr=0.1)
+    assert max(float((a - b).abs().max()) for a, b in zip(params, one)) < 1e-6
+    other = scaling.replay_one_process(make_model(), batches, loss_fn, lr=0.11)
+    assert max(float((a - b).abs().max()) for a, b in zip(params, other)) > 1e-4
+
+
+def _timed_table(monkeypatch, table):
+    """A stand-in Timings whose sweep_table is `table` (the checks read only the table and the cores)."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(scaling, "sweep_table", lambda timed, cores: table)
+    return SimpleNamespace(settings={"cores": 2})
+
+
+def _sweep(samples, fwd_bwd, eff):
+    index = pd.MultiIndex.from_tuples(list(samples), names=["model", "batch per rank", "world"])
+    return pd.DataFrame({"samples/s": list(samples.values()), "fwd_bwd_ms": [fwd_bwd.get(k, 1.0) for k in samples],
+                         "efficiency": [eff.get(k, 1.0) for k in samples]}, index=index)
+
+
+def test_the_sweep_checks_pass_on_what_they_claim_and_fail_otherwise(monkeypatch):
+    keys = [("tiny", 8, 1), ("tiny", 128, 1), ("small", 8, 1), ("tiny", 8, 2), ("tiny", 128, 2), ("small", 8, 2),
+            ("tiny", 8, 4), ("tiny", 128, 4)]
+    good = _sweep(dict(zip(keys, [100, 200, 50, 150, 300, 80, 120, 220])),
+                  {("tiny", 8, 1): 1.0, ("tiny", 128, 1): 10.0, ("small", 8, 1): 4.0},
+                  {("tiny", 8, 2): 0.75, ("tiny", 128, 2): 0.75, ("small", 8, 2): 0.8,
+                   ("tiny", 8, 4): 0.3, ("tiny", 128, 4): 0.3})
+    mb = pd.Series({("tiny", 8): 0.4, ("tiny", 128): 0.4, ("small", 8): 3.2})
+    timed = _timed_table(monkeypatch, good)
+    assert scaling.larger_batch_more_samples_per_s(timed) == "2.00x"
+    assert scaling.larger_batch_more_compute_per_mb(timed, mb).startswith("10.0x")
+    assert scaling.two_ranks_scale(timed) == "least 2-rank efficiency 0.75"
+    assert "0.40 of the 2-rank efficiency" in scaling.oversubscription_costs(timed)
+    bad = good.assign(efficiency=1.0)           # 4 ranks as efficient as 2: no oversubscription cost
+    with pytest.raises(AssertionError):
+        scaling.oversubscription_costs(_timed_table(monkeypatch, bad))
+
+
+def test_large_batch_runs_faster_compares_b_and_c_with_a():
+    from types import SimpleNamespace
+    timed = {key: SimpleNamespace(run=SimpleNamespace(summary=lambda v=v: {"median_samples_per_s": v}))
+             for key, v in {"A": 100.0, "B": 400.0, "C": 160.0}.items()}
+    assert scaling.large_batch_runs_faster(timed) == "1.6x"
+    timed["C"] = SimpleNamespace(run=SimpleNamespace(summary=lambda: {"median_samples_per_s": 140.0}))
+    with pytest.raises(AssertionError):
+        scaling.large_batch_runs_faster(timed)

@@ -189,6 +189,53 @@ def sweep_table(timed: Mapping[str, Any], cores: int) -> pd.DataFrame:
     return table
 
 
+# --- lesson 03's speed claims: each asserts on a measure.Timings that labkit.measure.gated hands it -----------
+
+def _one_rank(timed: Any) -> pd.DataFrame:
+    return sweep_table(timed, timed.settings["cores"]).xs(1, level="world")
+
+
+def larger_batch_more_samples_per_s(timed: Any) -> str:
+    """One rank of the tiny model runs over 1.1x the samples/s at 128 per rank than at 8 (fixed costs per step,
+    shared by more samples). timed: the sweep's 1-rank runs."""
+    speed = _one_rank(timed)["samples/s"]
+    ratio = speed["tiny", 128] / speed["tiny", 8]
+    assert ratio > 1.1, speed
+    return f"{ratio:.2f}x"
+
+
+def larger_batch_more_compute_per_mb(timed: Any, mb: pd.Series) -> str:
+    """Forward+backward ms per MB all-reduced (mb: MB per step, counted on the 2-rank runs) is over 3x higher at 128
+    per rank than at 8, and lower for the small model than for the tiny one at 8 per rank."""
+    per_mb = _one_rank(timed)["fwd_bwd_ms"] / mb
+    grows, small = per_mb["tiny", 128] / per_mb["tiny", 8], per_mb["small", 8] / per_mb["tiny", 8]
+    assert grows > 3 and small < 1, per_mb
+    return f"{grows:.1f}x at 128 per rank; small/tiny {small:.2f}"
+
+
+def two_ranks_scale(timed: Any) -> str:
+    """2 ranks beat one at every (model, batch per rank) of the sweep: efficiency above 0.5."""
+    eff = sweep_table(timed, timed.settings["cores"])["efficiency"].xs(2, level="world")
+    assert (eff > 0.5).all(), eff
+    return f"least 2-rank efficiency {eff.min():.2f}"
+
+
+def oversubscription_costs(timed: Any) -> str:
+    """Tiny model, 4 ranks on 2 cores: the efficiency is below 0.9x its 2-rank value at 8 and at 128 per rank."""
+    eff = sweep_table(timed, timed.settings["cores"])["efficiency"]
+    kept = {b: eff["tiny", b, 4] / eff["tiny", b, 2] for b in (8, 128)}
+    assert all(share < 0.9 for share in kept.values()), eff
+    return ", ".join(f"{b} per rank: {share:.2f} of the 2-rank efficiency" for b, share in kept.items())
+
+
+def large_batch_runs_faster(timed: Any) -> str:
+    """Runs B and C (batch 256) both run at over 1.5x the samples/s of run A (batch 32)."""
+    speed = {key: t.run.summary()["median_samples_per_s"] for key, t in timed.items()}
+    ratio = min(speed["B"], speed["C"]) / speed["A"]
+    assert ratio > 1.5, speed
+    return f"{ratio:.1f}x"
+
+
 @shown
 def plot_scaling(table: pd.DataFrame, cores: int) -> Figure:
     """Throughput (left, dotted: N x one rank) and scaling efficiency (right) against world size, one line per
