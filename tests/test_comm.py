@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from labkit.tricks import comm
+from labkit.tricks import comm, comm_claims
 
 MiB = 1024 * 1024
 
@@ -125,13 +125,13 @@ def test_a_ring_prediction_is_the_model_time_and_its_busbw():
 # --- lesson 02: the collectives' definitions, the ring drawn, and the speed claims' checks --------------------
 
 def test_expected_after_works_out_each_collective_by_hand():
-    two = comm.expected_after([[0, 1, 2, 3], [10, 11, 12, 13]])
+    two = comm_claims.expected_after([[0, 1, 2, 3], [10, 11, 12, 13]])
     assert [r["all_reduce"] for r in two] == [[10, 12, 14, 16]] * 2
     assert [r["broadcast"] for r in two] == [[0, 1, 2, 3]] * 2
     assert [r["all_gather"] for r in two] == [[0, 1, 2, 3, 10, 11, 12, 13]] * 2
     assert [r["reduce_scatter"] for r in two] == [[10, 12], [14, 16]]
     with pytest.raises(ValueError, match="divide"):
-        comm.expected_after([[0, 1, 2], [3, 4, 5]])
+        comm_claims.expected_after([[0, 1, 2], [3, 4, 5]])
 
 
 def test_the_real_collectives_leave_what_expected_after_says(runs_root, no_leftovers):
@@ -150,20 +150,20 @@ def test_the_real_collectives_leave_what_expected_after_says(runs_root, no_lefto
 
     run = labkit.launch(four, world_size=2, runs_root=runs_root, echo=False, progress=False)
     held = [run.result(r) for r in range(2)]
-    expected = comm.expected_after([h["start"] for h in held])
+    expected = comm_claims.expected_after([h["start"] for h in held])
     assert all(h[op] == e[op] for h, e in zip(held, expected) for op in e)
 
 
 @pytest.mark.parametrize("world", [2, 3, 5])
 def test_the_ring_takes_2n_minus_2_steps_and_ends_with_the_full_sum_everywhere(world):
-    steps = comm.ring_allreduce_steps(world)
+    steps = comm_claims.ring_allreduce_steps(world)
     assert len(steps) == 1 + 2 * (world - 1)
     everyone = frozenset(range(world))
     after_reduce_scatter = steps[world - 1][1]
     assert [sum(cell == everyone for cell in row) for row in after_reduce_scatter] == [1] * world  # one chunk each
     assert all(cell == everyone for row in steps[-1][1] for cell in row)
     assert all(sorted(sent) == list(range(world)) for _, _, sent in steps[:-1])   # every rank sends one chunk a step
-    fig = comm.plot_ring(world)
+    fig = comm_claims.plot_ring(world)
     assert len(fig.axes) == len(steps)
 
 
@@ -181,15 +181,15 @@ def _bench(world: int, alpha: float, bandwidth: float, others: float = 0.0):
 
 def test_the_speed_checks_pass_on_what_they_claim_and_fail_otherwise():
     two, four = _bench(2, 2e-4, 1e9), _bench(4, 3e-4, 4e8)
-    assert "growth" in comm.busbw_grows(two) and "bandwidth term" in comm.small_messages_are_latency_bound(two)
-    assert comm.ring_model_fits(two) == "median error 0%"
-    assert "x at 16 MiB" in comm.more_ranks_take_longer((two, four))
-    assert comm.more_ranks_lower_bandwidth((two, four)).startswith("B 0.40 vs 1.00")
+    assert "growth" in comm_claims.busbw_grows(two) and "bandwidth term" in comm_claims.small_messages_are_latency_bound(two)
+    assert comm_claims.ring_model_fits(two) == "median error 0%"
+    assert "x at 16 MiB" in comm_claims.more_ranks_take_longer((two, four))
+    assert comm_claims.more_ranks_lower_bandwidth((two, four)).startswith("B 0.40 vs 1.00")
     with pytest.raises(AssertionError):
-        comm.more_ranks_lower_bandwidth((four, two))
+        comm_claims.more_ranks_lower_bandwidth((four, two))
     flat = _bench(2, 1e-9, 1e9)           # next to no latency: small messages are not latency-bound
     with pytest.raises(AssertionError):
-        comm.small_messages_are_latency_bound(flat)
+        comm_claims.small_messages_are_latency_bound(flat)
 
 
 def test_shared_lets_the_next_claim_start_from_a_fresh_measurement():
@@ -201,6 +201,6 @@ def test_shared_lets_the_next_claim_start_from_a_fresh_measurement():
         return SimpleNamespace(value=len(made), others=others, again=lambda: measure(0.0),
                                wait_for_quiet=lambda limit, timeout_s=10.0: 0.0)
 
-    shared = comm.Shared(measure(0.9))
+    shared = comm_claims.Shared(measure(0.9))
     assert shared.others == 0.9 and shared.again() is shared
     assert (shared.others, shared.value, made) == (0.0, 2, [0.9, 0.0])
