@@ -186,8 +186,8 @@ def test_a_wrapper_not_written_yet_is_reported_as_missing_not_as_a_crash(runs_ro
     report = ex.check_ddp(NotWrittenYet, runs_root=runs_root)
     assert report.missing and not report.failures
     assert "NotWrittenYet.__init__ is not written yet (the constructor raised NotImplementedError)" in report.missing[0]
-    with pytest.raises(ex.ExerciseFailed, match="NOT WRITTEN YET"):
-        report.use(ex.NaiveDDP)
+    # lessons ship their exercises as stubs: one not written yet hands back the reference, said, in any mode
+    assert report.use(ex.NaiveDDP) is ex.NaiveDDP and "NOT WRITTEN YET" in report.text()
     monkeypatch.setenv("LABKIT_EXERCISES", "blank")
     assert report.use(ex.NaiveDDP) is ex.NaiveDDP
 
