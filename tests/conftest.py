@@ -75,13 +75,9 @@ def claims_below_floor(outcomes) -> list[str]:
     each. The floor is the lesson's assert count before it was written in the lesson form, less the asserts removed
     because they could not fail (the file says which)."""
     import json
-    from labkit.measure.claims import LESSON_OF
+    from labkit.measure.claims import lesson_counts
     floors = json.loads(open(CLAIMS_FLOOR).read())["floor"]
-    counts: dict[str, int] = {}
-    for o in outcomes:
-        found = LESSON_OF.match(o.claim)
-        if found:
-            counts[found.group(1)] = counts.get(found.group(1), 0) + 1
+    counts = {lesson: sum(by.values()) for lesson, by in lesson_counts(outcomes).items()}
     return [f"lesson {lesson}: {n} claims logged, fewer than its floor of {floors[lesson]} (tests/claims_floor.json)"
             for lesson, n in sorted(counts.items()) if lesson in floors and n < floors[lesson]]
 

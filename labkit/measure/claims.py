@@ -227,7 +227,6 @@ def shown(value: Any) -> str:
     return str(value)
 
 
-
 def record(outcome: Outcome, path: str | Path | None = None) -> Outcome:
     """Append `outcome` as one JSON line to `path` (default: the file LABKIT_CLAIMS_LOG names; none: no record)."""
     path = path or os.environ.get(LOG_ENV)
@@ -250,16 +249,21 @@ def read_log(path: str | Path, since: float = 0.0) -> list[Outcome]:
 LESSON_OF = re.compile(r"^(\d\d[a-z]?): ")
 
 
-def lesson_lines(outcomes: list[Outcome]) -> list[str]:
-    """Per lesson, its claims checked, failed and not checked (gated or not), from the claims' '07: ' prefixes:
-    lesson_lines(read_log(path)) -> ['lesson 07: 14 checked, 0 failed, 1 not checked', ...]."""
+def lesson_counts(outcomes: list[Outcome]) -> dict[str, dict[str, int]]:
+    """Per lesson (the claims' '07: ' prefix; 'other' without one), its claims by status, gated or not:
+    lesson_counts(read_log(path)) -> {'07': {'checked': 14, 'failed': 0, 'skipped': 1}, ...}."""
     per: dict[str, dict[str, int]] = {}
     for o in outcomes:
         found = LESSON_OF.match(o.claim)
         counts = per.setdefault(found.group(1) if found else "other", {"checked": 0, "failed": 0, "skipped": 0})
         counts[o.status] += 1
+    return dict(sorted(per.items()))
+
+
+def lesson_lines(outcomes: list[Outcome]) -> list[str]:
+    """lesson_counts in words:  ['lesson 07: 14 checked, 0 failed, 1 not checked', ...]."""
     return [f"lesson {key}: {c['checked']} checked, {c['failed']} failed, {c['skipped']} not checked"
-            for key, c in sorted(per.items())]
+            for key, c in lesson_counts(outcomes).items()]
 
 
 def summary_lines(outcomes: list[Outcome]) -> list[str]:
