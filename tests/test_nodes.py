@@ -35,7 +35,9 @@ status=0
 for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
 exit $status
 """
-FAKE_SCONTROL = "#!/bin/bash\n# scontrol show hostnames: the allocation's nodes, the head first\necho 127.0.0.1\necho 127.0.0.1\n"
+# scontrol show hostnames: the allocation's nodes, the head first. A long list (a large allocation) is what made
+# `head -n 1` under pipefail fail the job with SIGPIPE, once in a while with two names and every time with these.
+FAKE_SCONTROL = "#!/bin/bash\necho 127.0.0.1\nfor i in $(seq 20000); do echo node$i; done\n"
 
 
 def free_port() -> int:
