@@ -1,5 +1,8 @@
-"""The project's rules, read off every lesson: a timing claim is asserted only inside labkit.measure.gated, and the
-prose never speaks of "this machine's 2 cores" (a learner's machine has other counts; say what the code measured).
+"""The project's rules, read off every lesson: a timing claim is asserted only inside labkit.measure.gated, the
+prose never speaks of "this machine's 2 cores" (a learner's machine has other counts; say what the code measured),
+and the code never pins a literal core count above one (`cores=2` fails on a one-core machine: pin
+`min(2, usable_cores())`). A wall-clock bound ("reported within the timeout + 5 s") is a timing claim like any other:
+it may not stand in ALLOWED.
 
 What counts as a timing claim: an `assert` (or a `claims.check("...", condition)`) whose condition reads a timing quantity, directly (a name like `step_s`,
 `t_data_ms`, `median_ms`; a column like "ms per step", "cores busy", "others' cores"; a share, a bandwidth, a
@@ -220,6 +223,28 @@ def ungated_timing_asserts(cells: list[str]) -> list[str]:
     return found
 
 
+CORE_KNOB = re.compile(r"(^|_)(cores?|cpus?)$", re.I)
+WALL_CLOCK = {"seconds", "elapsed", "wall", "wall_s", "duration"}
+
+
+def literal_core_counts(cells: list[str]) -> list[str]:
+    """Each place a lesson's code fixes a core count above one as a literal: `cores=2` passed to a call, or `CORES = 2`
+    assigned. One core is on every machine; two are not."""
+    found = []
+    for tree in (ast.parse(source) for source in cells):
+        for node in ast.walk(tree):
+            pairs = []
+            if isinstance(node, ast.Call):
+                pairs = [(k.arg, k.value) for k in node.keywords if k.arg]
+            elif isinstance(node, ast.Assign):
+                pairs = [(t.id, node.value) for t in node.targets if isinstance(t, ast.Name)]
+            for name, value in pairs:
+                if (CORE_KNOB.search(name) and isinstance(value, ast.Constant) and type(value.value) is int
+                        and value.value > 1):
+                    found.append(f"{name}={value.value}")
+    return found
+
+
 def machine_cores_claims(notebook: Path) -> list[str]:
     """Sentences (markdown or code) that state this machine's core count as a literal."""
     cells = json.loads(notebook.read_text())["cells"]
@@ -234,6 +259,17 @@ def test_every_timing_assert_goes_through_the_gate(lesson):
     found = [a for a in ungated_timing_asserts(code_cells(lesson)) if (lesson.stem, a) not in ALLOWED]
     assert not found, (f"{lesson.name}: timing claims asserted outside labkit.measure.gated (gate them, assert "
                        f"what was counted instead, or allow them in ALLOWED with a reason): {found}")
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
+def test_no_lesson_pins_a_literal_core_count(lesson):
+    found = literal_core_counts(code_cells(lesson))
+    assert not found, f"{lesson.name}: pin CORES = min(2, usable_cores()) instead of {found}"
+
+
+def test_no_wall_clock_bound_is_allowed_outside_the_gate():
+    wall = [key for key in ALLOWED if set(re.split(r"[^a-z_]+", key[1].lower())) & WALL_CLOCK]
+    assert not wall, f"wall-clock asserts belong in a gated claim, not in ALLOWED: {wall}"
 
 
 def test_every_allowed_exception_still_exists_and_says_why():
@@ -296,3 +332,11 @@ def test_a_planted_core_count_sentence_is_caught(tmp_path):
                         ("markdown", "pinned to the 2 cores that `usable_cores()` found"))
     assert machine_cores_claims(planted) == ["this machine's 2 cores", "each rank has a single CPU core",
                                              "This machine has 2 CPU cores"]
+
+
+def test_a_planted_literal_core_count_and_wall_clock_bound_are_caught(tmp_path):
+    planted = _notebook(tmp_path, ("code", "CORES = 2\nrun = metered(lambda: go(), cores=2)\nfixes = two_fixes(n_cpus=4)\n"
+                                           "ok = metered(go, cores=CORES)\nalso = metered(go, cores=1)\n"
+                                           "out = labkit.launch(cfg)\nassert out.seconds < TIMEOUT + 5\n"))
+    assert literal_core_counts(code_cells(planted)) == ["CORES=2", "cores=2", "n_cpus=4"]
+    assert ungated_timing_asserts(code_cells(planted)) == ["out.seconds < TIMEOUT + 5"]
