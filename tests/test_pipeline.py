@@ -253,3 +253,54 @@ def test_1f1b_holds_fewer_activations_than_gpipe_and_both_send_one_message_per_m
         # always ready before it is free, it never waits on the peer and all its idle is between actions
         assert 0 < got["between"] <= got["bubble"] < 1 and got["wait_ms"] > 0 and got["f_ms"] > 0
         assert pp.parameter_copies(run) == pytest.approx(1.0, abs=0.02)  # the tied embedding at both ends: +1%
+
+
+def test_placement_matches_torch_for_every_layout():
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+    mapping = lambda s, style: generate_stage_to_rank_mapping(2, 4, style)  # noqa: E731
+    assert pp.placement(pp.lesson_config("GPipe")) == {0: 0, 1: 1}
+    assert pp.placement(pp.lesson_config("Interleaved1F1B")) == mapping(2, "loop")
+    assert pp.placement(pp.lesson_config("DualPipeV")) == pp.placement(pp.lesson_config("ZBVZeroBubble")) \
+        == mapping(2, "v")
+
+
+def _sweep(rows):
+    import types
+    import pandas as pd
+    return types.SimpleNamespace(table=pd.DataFrame(rows))
+
+
+def test_the_gated_checks_assert_on_the_sweep_they_are_given():
+    row = dict(run="r", m=4, measured=0.21, formula=0.2, **{"between actions": 0.02, "wait (ms)": 0.5,
+                                                              "forward (ms)": 20.0})
+    ok = _sweep([dict(row, schedule="1F1B"), dict(row, schedule="Interleaved1F1B", measured=0.15, formula=0.111,
+                                                   **{"between actions": 0.06}),
+                 dict(row, schedule="ZBVZeroBubble", measured=0.1)])
+    assert "largest gap" in pp.bubbles_follow_the_formula(_sweep([row]))
+    assert "of a forward" in pp.messages_wait_little(ok)
+    assert pp.ramp_follows_the_interleaved_formula(ok).startswith("0.090")
+    assert "1F1B's 0.020" in pp.interleaving_idles_more_between_actions(ok)
+    assert "1F1B's 0.210" in pp.BubbleBelow1F1B("ZBVZeroBubble")(ok)
+    assert "1F1B's 0.190" in pp.BubbleBelow1F1B("Interleaved1F1B", less_between=True)(ok)
+    with pytest.raises(AssertionError, match="bubble vs formula"):
+        pp.bubbles_follow_the_formula(_sweep([dict(row, measured=0.35)]))
+    with pytest.raises(AssertionError, match="waited"):
+        pp.messages_wait_little(_sweep([dict(row, **{"wait (ms)": 5.0})]))
+    with pytest.raises(AssertionError, match="ZBVZeroBubble 0.300"):
+        pp.BubbleBelow1F1B("ZBVZeroBubble")(_sweep([dict(row, schedule="1F1B"),
+                                                    dict(row, schedule="ZBVZeroBubble", measured=0.3)]))
+    with pytest.raises(AssertionError, match="interleaved 0.010"):
+        pp.interleaving_idles_more_between_actions(_sweep([dict(row, schedule="1F1B"), dict(
+            row, schedule="Interleaved1F1B", **{"between actions": 0.01})]))
+
+
+def test_messages_as_placed_and_parameter_shares_read_what_the_ranks_did(tmp_path, monkeypatch):
+    run = pp.run_pipeline(pp.lesson_config("DualPipeV", microbatches=4, global_batch=16, steps=pp.STEADY_FROM + 1),
+                          pinned=False, runs_root=tmp_path)
+    table, ok = pp.messages_as_placed(run)
+    assert ok and table.sends.tolist() == [8, 8] and table["receives (placement)"].tolist() == [8, 8]
+    shares, copies = pp.parameter_shares(run)
+    assert copies == pytest.approx(1.0, abs=0.01) and all(0.4 < s < 0.6 for s in shares.values())
+    counted = pp.messages(run)
+    monkeypatch.setattr(pp, "messages", lambda r: counted.assign(n_send=[12, 8]))   # a rank that sent too much
+    assert pp.messages_as_placed(run)[1] is False

@@ -9,6 +9,9 @@
     pp.held(run)                        # {stage: (microbatches in flight at most, bytes autograd saved for them)}
     pp.messages(run)                    # point-to-point sends and bytes per step on each rank (counted)
     pp.timeline([run, ...])             # a figure: each rank's F / B / I / W actions as they ran
+    pp.messages_as_placed(run)          # each rank's sends and receives against what the stages' placement implies
+    pp.parameter_shares(run)            # each rank's share of the model's parameters, and the copies in all
+    pp.bubbles_follow_the_formula(sweep)   # gated checks (they assert): the bubble against its formula, ...
     failure, where = pp.mismatched_microbatches()   # the hang, bounded and named by stage and action
     failure, saw = pp.without_numpy()   # shape inference on a rank without numpy: what each rank reported
 
@@ -32,7 +35,7 @@ import torch.distributed.pipelining  # noqa: F401 - imported once here, so forke
 from matplotlib.figure import Figure
 
 from ..config import RunConfig, V_SCHEDULES
-from ..measure import CpuMeter, pin_rank, pinned_to
+from ..measure import CpuMeter, pin_rank, pinned_to, usable_cores
 from ..records import Run
 from ..rundir import RunDir
 from ..run import RankFailure
@@ -48,12 +51,16 @@ from ..view import COLORS, new_figure, shown
 __all__ = ["Sweep", "lesson_config", "run_pipeline", "pinned_train", "bubble", "bubbles", "summary", "formula", "held",
            "messages", "timeline", "gpipe_bubble", "interleaved_bubble", "mismatched_microbatches", "mismatched_sizes",
            "where_stages_were", "failure_line", "bubble_table", "their_models", "parameter_copies", "without_numpy",
-           "ranks_left", "message_waits"]
+           "ranks_left", "message_waits", "placement", "messages_as_placed", "parameter_shares",
+           "messages_wait_little", "bubbles_follow_the_formula", "ramp_follows_the_interleaved_formula",
+           "interleaving_idles_more_between_actions", "BubbleBelow1F1B", "TOLERANCE"]
 
 KIND_COLORS = {"F": COLORS[0], "B": COLORS[1], "I": COLORS[3], "W": COLORS[2]}
 STEADY_FROM = COUNTED_STEPS  # steps 0..2 infer shapes, check gradients and count messages at the dispatcher
 # (which slows every op): the bubble is read from the steps after them
 LOOPED_FORMULA = ("Interleaved1F1B", "LoopedBFS")  # (p-1)/(v m + p-1): the ramp, in chunks of 1/v, paid once
+TOLERANCE = 0.10  # of the step, between a measured bubble and its formula: what the formula leaves out (the time
+# between actions, stages not exactly equal) stays under it on quiet cores
 
 
 def lesson_config(schedule: str = "GPipe", *, microbatches: int = 4, world_size: int = 2, **fields: Any) -> RunConfig:
@@ -90,7 +97,8 @@ class Sweep:
         sweep.table                     # bubble_table of the runs;  sweep.runs: the Runs
     """
 
-    def __init__(self, configs: Sequence[RunConfig], *, cores: int = 2, runs_root: Any = None):
+    def __init__(self, configs: Sequence[RunConfig], *, cores: int | None = None, runs_root: Any = None):
+        cores = min(2, usable_cores()) if cores is None else cores
         self.configs, self.cores, self.runs_root = list(configs), cores, runs_root
         self._measure()
 
@@ -173,10 +181,13 @@ def their_models(ranks: int, microbatches: int) -> pd.DataFrame:
     rows = [("1F1B", "(PP-1)(F+B); rate (p-1)/m", gpipe_bubble(p, m), "PP microbatches", "1x", "1x", f"{dp}, {zb}"),
             ("ZB1P", "(PP-1)(F+B-2W); rate (p-1)/3m", (p - 1) / (3 * m + p - 1), "as 1F1B", "1x", "1x", f"{dp}, {zb}"),
             ("ZBV", "rate 0", 0.0, "as 1F1B", "", "2x 1F1B's", zb),
-            ("DualPipe", "(PP/2-1)(F&B+B-3W)", float("nan"), "PP+1 microbatches", "2x", "", dp),
-            ("DualPipeV", "(PP/2-1)(F&B+B-3W), PP/2 ranks", float("nan"), "PP+1 microbatches", "2x", "", dp)]
-    return pd.DataFrame(rows, columns=["method", "bubble (their terms)", f"bubble, idle/step at p={p} m={m}",
-                                       "activations", "parameters", "pipeline messages", "source"]).set_index("method")
+            ("DualPipe", "(PP/2-1)(F&B+B-3W)", float("nan"), "PP+1 microbatches", "2x on PP devices: 2 copies",
+             "", dp),
+            ("DualPipeV", "(PP/2-1)(F&B+B-3W), PP/2 ranks", float("nan"), "PP+1 microbatches",
+             "2x on PP/2 devices: 1 copy", "", dp)]
+    return pd.DataFrame(rows, columns=["method", "model: bubble (their terms)", f"model: idle/step at p={p} m={m}",
+                                       "model: activations", "model: parameters per device (vs 1F1B's)",
+                                       "model: pipeline messages", "source"]).set_index("method")
 
 
 def parameter_copies(run: Run) -> float:
@@ -186,6 +197,95 @@ def parameter_copies(run: Run) -> float:
     first = run.df[run.df.step == run.df.step.min()]
     model = make_task(run.config, 1).build_model()
     return float(first.param_bytes.sum() / sum(p.numel() * p.element_size() for p in model.parameters()))
+
+
+def parameter_shares(run: Run) -> tuple[dict[int, float], float]:
+    """({rank: the share of the model's parameter bytes that rank held}, the copies held in all), from the
+    param_bytes each rank recorded on its first step:  shares, copies = parameter_shares(dualpipev_run)."""
+    first = run.df[run.df.step == run.df.step.min()]
+    model = make_task(run.config, 1).build_model()
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    shares = {int(r.rank): float(r.param_bytes / whole) for r in first.itertuples()}
+    return shares, sum(shares.values())
+
+
+def placement(config: RunConfig) -> dict[int, int]:
+    """{stage: rank}, as the schedule's papers lay stages out: one per rank; looped (stage s on rank s mod p) for
+    the interleaved schedules; a V for ZBVZeroBubble and DualPipeV (rank 0 holds the first and the last stage)."""
+    p, v = config.pipeline_dims[1], config.stages_per_rank
+    if config.pipeline_schedule in V_SCHEDULES:
+        return {s: s if s < p else 2 * p - 1 - s for s in range(p * v)}
+    return {s: s % p for s in range(p * v)}
+
+
+def messages_as_placed(run: Run) -> tuple[pd.DataFrame, bool]:
+    """Each rank's point-to-point sends and receives per step (counted at the dispatcher) beside what the stages'
+    placement implies: m activations forward and m gradients back over every stage boundary that crosses ranks.
+    Returns the table and whether every count matched:  table, ok = messages_as_placed(run)."""
+    c = run.config
+    where, m = placement(c), c.microbatches
+    sends, recvs = {r: 0 for r in range(c.world_size)}, {r: 0 for r in range(c.world_size)}
+    for s in range(len(where) - 1):
+        a, b = where[s], where[s + 1]
+        if a != b:                                   # the activation goes a -> b, its gradient b -> a
+            sends[a], recvs[b], sends[b], recvs[a] = sends[a] + m, recvs[b] + m, sends[b] + m, recvs[a] + m
+    counted = messages(run)
+    table = pd.DataFrame({"sends": counted.n_send, "receives": counted.n_recv,
+                          "sends (placement)": pd.Series(sends), "receives (placement)": pd.Series(recvs)})
+    ok = bool((table["sends"] == table["sends (placement)"]).all()
+              and (table["receives"] == table["receives (placement)"]).all())
+    return table, ok
+
+
+def messages_wait_little(sweep: "Sweep") -> str:
+    """Gated check: in every run of the sweep, a message waited under a tenth of a microbatch's forward (the
+    premise of comparing a bubble with its formula: otherwise the bubble measured would be mostly messages)."""
+    worst = (sweep.table["wait (ms)"] / sweep.table["forward (ms)"]).max()
+    assert worst < 0.1, f"a message waited up to {worst:.2f} of a forward\n{sweep.table.round(3)}"
+    return f"at most {worst:.3f} of a forward"
+
+
+def bubbles_follow_the_formula(sweep: "Sweep", tolerance: float = TOLERANCE) -> str:
+    """Gated check: every run's bubble (the slowest stage's) within `tolerance` of the step of its formula."""
+    gap = (sweep.table.measured - sweep.table.formula).abs()
+    assert (gap <= tolerance).all(), f"bubble vs formula\n{sweep.table[['run', 'measured', 'formula']].round(3)}"
+    return f"largest gap {gap.max():.3f} over m = {sweep.table.m.tolist()}"
+
+
+def _row(sweep: "Sweep", schedule: str) -> pd.Series:
+    return sweep.table.set_index("schedule").loc[schedule]
+
+
+def ramp_follows_the_interleaved_formula(sweep: "Sweep", tolerance: float = TOLERANCE) -> str:
+    """Gated check: Interleaved1F1B's bubble less its idle between actions (the part the formula counts: waiting
+    for the other rank's compute) within `tolerance` of (p-1)/(v m+p-1)."""
+    row = _row(sweep, "Interleaved1F1B")
+    ramp = row.measured - row["between actions"]
+    assert abs(ramp - row.formula) <= tolerance, f"ramp {ramp:.3f} vs formula {row.formula:.3f}"
+    return f"{ramp:.3f} vs {row.formula:.3f}"
+
+
+def interleaving_idles_more_between_actions(sweep: "Sweep") -> str:
+    """Gated check: Interleaved1F1B's idle between actions above 1F1B's, both in the same sweep."""
+    mine, base = _row(sweep, "Interleaved1F1B")["between actions"], _row(sweep, "1F1B")["between actions"]
+    assert mine > base, f"between actions: interleaved {mine:.3f}, 1F1B {base:.3f}"
+    return f"{mine:.3f} vs 1F1B's {base:.3f}"
+
+
+@dataclasses.dataclass(frozen=True)
+class BubbleBelow1F1B:
+    """Gated check: `schedule`'s measured bubble below 1F1B's in the same sweep (same m); with `less_between`,
+    each bubble less its idle between actions (the wait for the other rank's compute, messages left out):
+    claims.gated("ZBV below 1F1B", BubbleBelow1F1B("ZBVZeroBubble"), sweep)."""
+    schedule: str
+    less_between: bool = False
+
+    def __call__(self, sweep: "Sweep") -> str:
+        mine, base = _row(sweep, self.schedule), _row(sweep, "1F1B")
+        mine, base = (r.measured - (r["between actions"] if self.less_between else 0.0) for r in (mine, base))
+        assert mine < base, f"bubble{' less between actions' if self.less_between else ''}: {self.schedule} " \
+                            f"{mine:.3f}, 1F1B {base:.3f}"
+        return f"{mine:.3f} vs 1F1B's {base:.3f}"
 
 
 def held(run: Run, step: int | None = None) -> dict[int, tuple[int, int]]:
