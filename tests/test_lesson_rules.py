@@ -40,12 +40,6 @@ ALLOWED: dict[tuple[str, str], str] = {
         "microbatches in flight, counted from the actions' order, not a time (the table also holds bubble times)",
     ("18_pipeline_parallel", "(side[side.m > P]['1F1B MB'] < side[side.m > P]['GPipe MB']).all()"):
         "bytes of saved activations, counted by saved-tensor hooks, not a time",
-    ("18_pipeline_parallel", "np.allclose(run.steps()['loss'], one.steps()['loss'], atol=1e-05)"):
-        "losses of the pipelined run against one process, not a time",
-    ("18_pipeline_parallel", "run.df.pp_check.max() < 0.0001"):
-        "the first-step gradient check's relative error, not a time",
-    ("18_pipeline_parallel", "run.df.groupby('step').samples.sum().eq(64).all()"):
-        "samples counted once per sample, not a rate",
     ('11_monitoring', 'gap < 1e-06'):
         "a loss difference between the healthy and the slowed run (the same computation), not a time",
     ('12_debugging_hangs', 'out.seconds < TIMEOUT + 5'):
