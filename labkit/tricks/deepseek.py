@@ -350,6 +350,30 @@ def layout_figure(state: pd.DataFrame, messages: pd.DataFrame, *, title: str = "
     return fig
 
 
+def zero1_shares(state: pd.DataFrame, layout: str = "PP x EP x ZeRO-1") -> pd.Series:
+    """Per rank of `layout`, its share of its ZeRO-1 pair's optimizer bytes, as measured (ranks r and r + p pair up):
+    zero1_shares(state_table(runs)) -> {0: 0.49, 2: 0.51, ...}; an even split would be 0.5 each."""
+    held = state.loc[layout, "optimizer"]
+    p = len(held) // 2
+    return pd.Series({r: float(held[r] / (held[r] + held[(r + p) % len(held)])) for r in held.index},
+                     name="share of the pair's optimizer state")
+
+
+def tp_not_faster(measured: Any) -> str:
+    """Gated check on metered(run_layouts): the article's ZeRO-3 + TP is not faster than ZeRO-3 alone."""
+    table = claim_table(measured.value)
+    assert table.loc["ZeRO-3 + TP", "speed_vs_ZeRO-3"] < 1.0, table
+    return f"ZeRO-3 + TP at {table.loc['ZeRO-3 + TP', 'speed_vs_ZeRO-3']:.2f}x ZeRO-3's samples/s"
+
+
+def v3_faster_than_tp(measured: Any) -> str:
+    """Gated check on metered(run_layouts): V3's PP x EP x ZeRO-1 trains more samples per second than ZeRO-3 + TP."""
+    table = claim_table(measured.value)
+    v3, tp = table.loc["PP x EP x ZeRO-1", "samples_per_s"], table.loc["ZeRO-3 + TP", "samples_per_s"]
+    assert v3 > tp, table
+    return f"{v3:.0f} vs {tp:.0f} samples/s"
+
+
 # --- the rotary key's gradient, left unsummed (what moe_tp.sum_rope_gradient fixes) ---------------------------------
 
 def without_rope_sum(ctx: Any) -> None:
