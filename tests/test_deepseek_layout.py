@@ -140,5 +140,5 @@ def test_zero1_shares_split_each_pair_and_speeds_cover_every_run(runs):
     assert abs(shares[0] + shares[2] - 1) < 1e-12 and abs(shares[1] + shares[3] - 1) < 1e-12   # pairs (0, 2), (1, 3)
     assert shares.between(0.4, 0.6).all(), shares
     speed = deepseek.speeds(runs)
-    assert list(speed.index) == list(runs) and (speed > 0).all()
+    assert list(speed.index) == list(runs)   # (3 steps: all counted, none timed; the lesson runs more)
     assert deepseek.inventory(runs["ZeRO-3"].config) is not deepseek.inventory(runs["ZeRO-3"].config)   # copies
