@@ -131,3 +131,14 @@ def test_pipeline_zero1_shards_tinylm_too(tmp_path):
     assert np.abs(one.steps().loss.to_numpy() - pp.steps().loss.to_numpy()).max() < LOSS_TOLERANCE
     held = pp.df[pp.df.step == 1].set_index("rank")
     assert (held.n_broadcast > 0).all() and held.optim_bytes[0] != held.optim_bytes[2]   # each its own half
+
+
+def test_zero1_shares_split_each_pair_and_speeds_cover_every_run(runs):
+    state = deepseek.state_table(runs)
+    shares = deepseek.zero1_shares(state)
+    assert sorted(shares.index) == [0, 1, 2, 3]
+    assert abs(shares[0] + shares[2] - 1) < 1e-12 and abs(shares[1] + shares[3] - 1) < 1e-12   # pairs (0, 2), (1, 3)
+    assert shares.between(0.4, 0.6).all(), shares
+    speed = deepseek.speeds(runs)
+    assert list(speed.index) == list(runs)   # (3 steps: all counted, none timed; the lesson runs more)
+    assert deepseek.inventory(runs["ZeRO-3"].config) is not deepseek.inventory(runs["ZeRO-3"].config)   # copies

@@ -23,6 +23,7 @@ actually sent (the records' ep_rows_out / ep_rows_in): see predicted_messages.
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from collections import Counter
 from typing import Any
 
@@ -79,6 +80,11 @@ def loss_gaps(runs: dict[str, Run], reference: str = "one process") -> pd.Series
 def inventory(config: RunConfig) -> pd.DataFrame:
     """One row per parameter tensor of config's (unsplit) tinymoe: numel, layer (-1: the embedding, L: the final
     norm and head), expert (a routed expert's fused tensor), tp_split (moe_tp's plan splits it)."""
+    return _inventory(config).copy()
+
+
+@lru_cache(maxsize=32)   # every rank of every layout asks: build each config's model once
+def _inventory(config: RunConfig) -> pd.DataFrame:
     model = make_task(config, 1).build_model()
     split, layers = split_parameters(model), len(model.model.layers)
     rows = []
@@ -140,6 +146,11 @@ def saved_per_row(config: RunConfig, rows: int) -> pd.DataFrame:
     """What one forward of one process on `rows` sentences saves for backward, per module, in bytes per sentence:
     columns layer (-1 the embedding, L the head), split (SPLIT_BY_TP), bytes_per_row. The model's forward only
     (the loss outside it is not an activation the meters count)."""
+    return _saved_per_row(config, rows).copy()
+
+
+@lru_cache(maxsize=32)   # asked once per rank: one forward per config and row count
+def _saved_per_row(config: RunConfig, rows: int) -> pd.DataFrame:
     task = make_task(config.replace(world_size=1, global_batch=rows, grad_accum=1, strategy="ddp",
                                     **({"pipeline_zero1": False, "expert_parallel": 1} if config.strategy == "pp" else {})), 1)
     seed_everything(config.seed)  # the runs' initial weights: the same routing on the first step
@@ -307,7 +318,7 @@ def claim_table(runs: dict[str, Run], state: pd.DataFrame | None = None, baselin
     """Per layout: memory of the fullest rank and throughput (median samples/s after the counted steps), each as a
     ratio to `baseline`'s, beside the article's x0.5 and x1.4."""
     top = fullest(state if state is not None else state_table(runs))
-    speed = pd.Series({name: throughput(run) for name, run in runs.items()})
+    speed = speeds(runs)
     out = pd.DataFrame({"memory_per_rank": top.total, "samples_per_s": speed})
     out["memory_vs_" + baseline] = out.memory_per_rank / out.memory_per_rank[baseline]
     out["speed_vs_" + baseline] = out.samples_per_s / out.samples_per_s[baseline]
@@ -348,6 +359,35 @@ def layout_figure(state: pd.DataFrame, messages: pd.DataFrame, *, title: str = "
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(title)
     return fig
+
+
+def zero1_shares(state: pd.DataFrame, layout: str = "PP x EP x ZeRO-1") -> pd.Series:
+    """Per rank of `layout`, its share of its ZeRO-1 pair's optimizer bytes, as measured (ranks r and r + p pair up):
+    zero1_shares(state_table(runs)) -> {0: 0.49, 2: 0.51, ...}; an even split would be 0.5 each."""
+    held = state.loc[layout, "optimizer"]
+    p = len(held) // 2
+    return pd.Series({r: float(held[r] / (held[r] + held[(r + p) % len(held)])) for r in held.index},
+                     name="share of the pair's optimizer state")
+
+
+def speeds(runs: dict[str, Run]) -> pd.Series:
+    """Per run, the median samples per second after the counted steps, all ranks together."""
+    return pd.Series({name: throughput(run) for name, run in runs.items()}, name="samples_per_s")
+
+
+def tp_not_faster(measured: Any) -> str:
+    """Gated check on metered(run_layouts): the article's ZeRO-3 + TP is not faster than ZeRO-3 alone."""
+    speed = speeds(measured.value)
+    assert speed["ZeRO-3 + TP"] < speed["ZeRO-3"], speed
+    return f"ZeRO-3 + TP at {speed['ZeRO-3 + TP'] / speed['ZeRO-3']:.2f}x ZeRO-3's samples/s"
+
+
+def v3_faster_than_tp(measured: Any) -> str:
+    """Gated check on metered(run_layouts): V3's PP x EP x ZeRO-1 trains more samples per second than ZeRO-3 + TP."""
+    speed = speeds(measured.value)
+    v3, tp = speed["PP x EP x ZeRO-1"], speed["ZeRO-3 + TP"]
+    assert v3 > tp, speed
+    return f"{v3:.0f} vs {tp:.0f} samples/s"
 
 
 # --- the rotary key's gradient, left unsummed (what moe_tp.sum_rope_gradient fixes) ---------------------------------

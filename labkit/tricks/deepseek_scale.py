@@ -16,7 +16,7 @@ gradient back per token and stage boundary; ZeRO-3 gathers every parameter for f
 reduce-scatters its gradient, every microbatch.
 
 **The network** (DeepSeek-V3 report, arXiv 2412.19437, section 3.2.2): H800 nodes of 8 GPUs, NVLink inside a
-node at about 160 GB/s, InfiniBand between nodes at about 50 GB/s per GPU. (The H800 is the H100 with NVLink cut
+node at about 160 GB/s (the H800's NVLink), InfiniBand between nodes at about 50 GB/s per GPU. (The H800 is the H100 with NVLink cut
 down for export; lesson 14 uses the H100's figures, 450 GB/s each way.) A ring all-reduce over t GPUs costs each
 2(t-1)/t of the message over its slowest link (lesson 02's ring model, labkit.tricks.comm.ring_time): inside a
 node that is NVLink, across nodes InfiniBand. The all-to-all model is this module's own (`a2a_time`): the bytes
@@ -114,14 +114,15 @@ def expert_params(sizes: dict[str, float]) -> float:
 
 def ep_copies(sizes: dict[str, float] = V3) -> pd.Series:
     """Copies of a token's hidden state crossing InfiniBand per MoE layer, expected under uniform routing over
-    nodes = ep / gpus_per_node: sent once per remote expert; once per remote node it uses (no limit); once per
-    remote node with at most node_limit nodes (V3)."""
+    nodes = ep / gpus_per_node. The one definition lessons 19 and 21 share: sent once per remote expert (7 at V3's
+    sizes); "no limit" is once per remote node its experts use (4.6); with V3's cap of node_limit nodes, at most
+    node_limit x (nodes - 1) / nodes (3.5: an upper bound, since a token's experts may sit on fewer nodes)."""
     nodes, k, e = sizes["ep"] / sizes["gpus_per_node"], sizes["top_k"], sizes["experts"]
     per_node = e / nodes
     miss = math.comb(int(e - per_node), int(k)) / math.comb(int(e), int(k))  # a given node gets none of the k
     return pd.Series({"once per remote expert": k * (nodes - 1) / nodes,
                       "once per remote node, no limit": (nodes - 1) * (1 - miss),
-                      f"once per remote node, <= {sizes['node_limit']:g} nodes (V3)":
+                      f"once per remote node, <= {sizes['node_limit']:g} nodes (V3): at most":
                           sizes["node_limit"] * (nodes - 1) / nodes}, name="IB copies per token per MoE layer")
 
 
