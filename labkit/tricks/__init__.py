@@ -23,8 +23,8 @@
     pipeline.py    pipeline stages: timelines, the bubble, activations, messages, traps (lesson 18)
     experts.py     mixture of experts: balance, expert parallelism, the traps, MLA  (lesson 19)
     fp8.py         FP8: formats, scaling against outliers, training, the wire     (lesson 20)
-    deepseek.py    ZeRO-3 + TP vs DeepSeek-V3's PP x EP x ZeRO-1: bytes, messages   (lesson 20)
-    deepseek_scale.py  the two layouts at V3's size, on its network: a model      (lesson 20)
+    deepseek.py    ZeRO-3 + TP vs DeepSeek-V3's PP x EP x ZeRO-1: bytes, messages   (lesson 21)
+    deepseek_scale.py  the two layouts at V3's size, on its network: a model      (lesson 21)
 
     from labkit.tricks import comm
     comm.benchmark(world_size=2)
