@@ -250,8 +250,8 @@ def _gradients(report: Report, got: list[dict[str, Any]]) -> None:
         summed = torch.allclose(sum(xs), ref_x, atol=1e-4)
         report.add("gradients", "fail", "the input's gradient on each rank is its own part"
                    + (" (their sum is the right one)" if summed else "")
-                   + ": the column layer's backward must all-reduce it (an autograd Function: the input as it is "
-                   "in forward, dist.all_reduce of the gradient in backward)")
+                   + ": the column layer's backward must all-reduce it (a hook on its input, or an autograd Function: "
+                   "the input as it is in forward, dist.all_reduce of its gradient in backward)")
     elif max(worst.values()) > TOLERANCE:
         wrong = ", ".join(name for name, error in worst.items() if error > TOLERANCE)
         report.add("gradients", "fail", f"the gradients of {wrong} differ from the matching slice of the unsharded "
