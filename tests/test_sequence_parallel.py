@@ -65,3 +65,17 @@ def test_sequence_parallel_swaps_each_all_reduce_for_a_gather_and_a_scatter_and_
         assert counted["saved_outside"] - outside == 16 * 33 * 8 + 32 * 8
     # the LayerNorms' inputs and statistics are split: 2 of the 4 whole values per block, the rest stays
     assert tp["saved_per_block"] - sp["saved_per_block"] == 2 * act / 2 + 2 * 2 * 16 * 32 * 4 / 2
+
+
+def test_the_bytes_each_rank_wrote_to_its_sockets_meet_the_ring_model_for_all_reduces_only(runs_root, no_leftovers):
+    """parallel.wire_check: TP's all-reduces write the ring model's bytes (within headers); gloo's reduce-scatter
+    writes its whole input, not (N-1)/N of it, so TP+SP writes more than the model says (and more than TP)."""
+    tp = parallel.megatron_count(2, runs_root=runs_root)
+    sp = parallel.megatron_count(2, sequence_parallel=True, runs_root=runs_root)
+    tp_io, tp_ok = parallel.wire_check(tp, 2)
+    sp_io, sp_ok = parallel.wire_check(sp, 2)
+    assert tp_ok and tp_io["written"] >= tp_io["ring model"], tp_io
+    assert not sp_ok and sp_io["written"] > 1.3 * tp_io["written"], (sp_io, tp_io)
+    gloo = sp["forward_kind_bytes"]["all_gather"] + sp["forward_kind_bytes"]["reduce_scatter"]   # N = 2
+    assert abs(sp_io["written"] / gloo - 1) < 0.02, (sp_io, gloo)
+    assert parallel.written_bytes() > 0

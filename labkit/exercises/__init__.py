@@ -26,6 +26,7 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     speeds.py      wrappers side by side on a tiny GPT-2 (TorchDDP: torch's DDP behind the same interface)
     zero_runs.py   optimizer state per rank at several world sizes; training curves
     pipe_rank.py   inside a rank: drive a two-stage pipeline step;  checks_pipeline.py: judge it, one_f_one_b
+    checks_tp.py   column- and row-parallel linear layers (tensor parallelism): references, checker
     checks_ring.py ring attention (context parallelism): the Ring a learner uses, the reference, its checker
     charts.py      timeline, bucket_sweep, state_per_rank
     blanks.py      stubs first, solutions folded; solved and blank copies (python -m labkit.exercises ...)
@@ -35,6 +36,7 @@ from .checknet import CheckNet
 from .checks_ddp import check_ddp
 from .checks_pipeline import check_pipeline, one_f_one_b
 from .checks_ring import Ring, check_ring, ring_attention
+from .checks_tp import TP_REFERENCE, ColumnParallelLinear, RowParallelLinear, check_tp
 from .checks_zero import check_sharded_optimizer
 from .holdings import state_holdings
 from .references import BucketedDDP, NaiveDDP, OverlapDDP, ShardedOptimizer, plan_buckets
@@ -43,3 +45,4 @@ from .report import ExerciseFailed, Finding, Report, blank_mode
 __all__ = ["check_ring", "ring_attention", "Ring", "check_ddp", "check_sharded_optimizer", "check_pipeline", "one_f_one_b", "NaiveDDP", "OverlapDDP", "BucketedDDP", "ShardedOptimizer",
            "plan_buckets", "Report", "Finding", "ExerciseFailed", "blank_mode", "blank_copy", "solved_copy", "write_first", "CheckNet",
            "state_holdings"]
+__all__ += ["check_tp", "TP_REFERENCE", "ColumnParallelLinear", "RowParallelLinear"]

@@ -255,11 +255,14 @@ def _count_tp_step(ctx: Any, config: RunConfig) -> dict[str, Any]:
     inputs, targets = task.batch(0, 0, 0)
     counts, blocks = {}, list(model.transformer.h)
     with DispatchCounter() as wire:
+        written = written_bytes()
         with SavedByBlock(model) as saved:
             loss, _ = task.loss(model, inputs, targets)
         for phase in ("forward", "backward"):
             if phase == "backward":
+                written = written_bytes()
                 loss.backward()
+            counts[f"{phase}_written"] = written_bytes() - written
             counts[phase], counts[f"{phase}_bytes"] = wire.take()
             kinds = wire.take_kinds()
             counts[f"{phase}_kinds"] = {kind: n for kind, (n, _) in kinds.items()}
@@ -267,6 +270,21 @@ def _count_tp_step(ctx: Any, config: RunConfig) -> dict[str, Any]:
     counts.update(blocks=len(blocks), activation_bytes=inputs.numel() * model.config.n_embd * 4,
                   saved_per_block=saved.inside / len(blocks), saved_outside=saved.outside)
     return counts
+
+
+def written_bytes() -> int:
+    """Bytes this process has written so far (the kernel's `wchar` in /proc/self/io): gloo's sockets, every
+    thread. Around a collective with no file writes, the difference is the bytes the rank put on the wire."""
+    with open("/proc/self/io") as io:
+        return int(next(line for line in io if line.startswith("wchar:")).split()[1])
+
+
+def wire_check(count: dict[str, Any], group: int) -> tuple[dict[str, float], bool]:
+    """One forward's bytes a rank wrote to its sockets (measured) beside the ring model's for what it handed to
+    collectives (`received_bytes`: a rank sends what its peer receives), and whether they agree within 2%
+    (message headers):  wire_check(megatron_count(2), 2)."""
+    model = received_bytes(count["forward_kind_bytes"], group)
+    return {"written": count["forward_written"], "ring model": model}, abs(count["forward_written"] / model - 1) < 0.02
 
 
 class SavedByBlock:
