@@ -14,7 +14,7 @@ from labkit.exercises import blanks
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 EXERCISE_LESSONS = ["16_build_ddp_yourself.ipynb", "17_build_zero_yourself.ipynb", "18_pipeline_parallel.ipynb",
-                    "14_zero_and_tensor_parallel.ipynb"]
+                    "14_zero_and_tensor_parallel.ipynb", "19_mixture_of_experts.ipynb"]
 
 
 def checker_cells(notebook) -> int:
