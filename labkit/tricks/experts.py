@@ -307,7 +307,7 @@ H100's is faster), 256 experts over 64 GPUs on 8 nodes (EP 64)."""
 
 def v3_all_to_all(sizes: dict[str, float] = V3) -> pd.DataFrame:
     """A model, not a measurement: copies of a token crossing InfiniBand per MoE layer, under uniform routing, and
-    the bytes and microseconds per 1000 tokens they cost at IB's bandwidth. One definition, shared with lesson 20
+    the bytes and microseconds per 1000 tokens they cost at IB's bandwidth. One definition, shared with lesson 21
     (deepseek_scale.ep_copies): "no limit" is once per remote node the token's experts use, with no cap on the nodes
     (4.6 at V3's sizes); once per remote expert (7) is the send with no per-node sharing; V3's cap of 4 nodes gives
     at most 4 x 7/8 = 3.5 (an upper bound: a token's experts may sit on fewer nodes)."""
