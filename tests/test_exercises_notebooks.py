@@ -15,7 +15,7 @@ from labkit.exercises import blanks
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 EXERCISE_LESSONS = ["16_build_ddp_yourself.ipynb", "17_build_zero_yourself.ipynb", "18_pipeline_parallel.ipynb",
-                    "14_zero_and_tensor_parallel.ipynb"]
+                    "14_zero_and_tensor_parallel.ipynb", "19_mixture_of_experts.ipynb"]
 # Lessons whose solved copy would add a minute of CI: their folded solution goes through its checker alone (the lesson
 # itself runs under make test with labkit's reference in its place). lesson -> (checker of the solution's names, the
 # reference that report.use hands back when the solution is not written).
@@ -23,6 +23,8 @@ FOLDED_ONLY = {
     "14_zero_and_tensor_parallel.ipynb": (lambda ns: ex.check_tp(ns["MyColumnParallelLinear"], ns["MyRowParallelLinear"]),
                                           lambda ns: (ns["MyColumnParallelLinear"], ns["MyRowParallelLinear"])),
     "18_pipeline_parallel.ipynb": (lambda ns: ex.check_pipeline(ns["my_1f1b"]), lambda ns: ns["my_1f1b"]),
+    "19_mixture_of_experts.ipynb": (lambda ns: ex.check_a2a(ns["dispatch"], ns["combine"]),
+                                    lambda ns: (ns["dispatch"], ns["combine"])),
 }
 
 

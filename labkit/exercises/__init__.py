@@ -7,6 +7,7 @@
     report = ex.check_sharded_optimizer(MyShardedOptimizer)   # ZeRO-1: same steps, 1/N of the state per rank
     report = ex.check_pipeline(my_1f1b)                       # 1F1B for two stages with send/recv
     report = ex.check_ring(my_ring)                           # ring attention, on 2 and 4 ranks
+    report = ex.check_a2a(dispatch, combine)                  # MoE all-to-all dispatch and combine, 2 and 3 ranks
     print(report); report.measured                            # what was checked, and the numbers behind it
     MyDDP = report.use(ex.NaiveDDP)                           # yours if it passed (blank mode: the reference)
     ex.solved_copy("notebooks/16_build_ddp_yourself.ipynb", "16.solved.ipynb")   # the folded solutions put in
@@ -28,11 +29,13 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     pipe_rank.py   inside a rank: drive a two-stage pipeline step;  checks_pipeline.py: judge it, one_f_one_b
     checks_tp.py   column- and row-parallel linear layers (tensor parallelism): references, checker
     checks_ring.py ring attention (context parallelism): the Ring a learner uses, the reference, its checker
+    checks_a2a.py  MoE dispatch and combine with all_to_all_single: the reference pair, its checker
     charts.py      timeline, bucket_sweep, state_per_rank
     blanks.py      stubs first, solutions folded; solved and blank copies (python -m labkit.exercises ...)
 """
 from .blanks import blank_copy, solved_copy, write_first
 from .checknet import CheckNet
+from .checks_a2a import a2a_combine, a2a_dispatch, a2a_reference, check_a2a
 from .checks_ddp import check_ddp
 from .checks_pipeline import check_pipeline, one_f_one_b
 from .checks_ring import Ring, check_ring, ring_attention
@@ -46,3 +49,4 @@ __all__ = ["check_ring", "ring_attention", "Ring", "check_ddp", "check_sharded_o
            "plan_buckets", "Report", "Finding", "ExerciseFailed", "blank_mode", "blank_copy", "solved_copy", "write_first", "CheckNet",
            "state_holdings"]
 __all__ += ["check_tp", "TP_REFERENCE", "ColumnParallelLinear", "RowParallelLinear"]
+__all__ += ["check_a2a", "a2a_dispatch", "a2a_combine", "a2a_reference"]

@@ -298,20 +298,26 @@ def deepseek_v2_kv(sizes: dict[str, int] = V2) -> dict[str, float]:
     return {**sizes, "mha_values": mha, "mla_values": mla, "ratio": mha / mla}
 
 
-V3 = {"hidden": 7168, "top_k": 8, "nodes_limit": 4, "dispatch_bytes": 1, "combine_bytes": 2, "ib_GBps": 50.0,
-      "nvlink_GBps": 160.0, "nodes": 8}
-"""DeepSeek-V3's figures (arXiv 2412.19437, §2.1.2, §3.2.2): hidden size, experts per token, at most 4 nodes per
-token, FP8 dispatch and BF16 combine, IB ~50 GB/s and NVLink ~160 GB/s per GPU, 256 experts over 8 nodes (EP 64)."""
+V3 = {"hidden": 7168, "experts": 256, "top_k": 8, "nodes_limit": 4, "dispatch_bytes": 1, "combine_bytes": 2,
+      "ib_GBps": 50.0, "nvlink_GBps": 160.0, "nodes": 8}
+"""DeepSeek-V3's figures (arXiv 2412.19437, §2.1.2, §3.2.2): hidden size, 256 routed experts, 8 per token, at most 4
+nodes per token, FP8 dispatch and BF16 combine, IB ~50 GB/s and NVLink ~160 GB/s per GPU (the H800's NVLink: the
+H100's is faster), 256 experts over 64 GPUs on 8 nodes (EP 64)."""
 
 
 def v3_all_to_all(sizes: dict[str, float] = V3) -> pd.DataFrame:
-    """A model, not a measurement: InfiniBand bytes per token for dispatch + combine, with each token sent once
-    per remote node it uses (node-limited, as V3 does) or once per remote expert (no limit, uniform routing),
-    and the microseconds per 1000 tokens at IB's bandwidth."""
+    """A model, not a measurement: copies of a token crossing InfiniBand per MoE layer, under uniform routing, and
+    the bytes and microseconds per 1000 tokens they cost at IB's bandwidth. One definition, shared with lesson 21
+    (deepseek_scale.ep_copies): "no limit" is once per remote node the token's experts use, with no cap on the nodes
+    (4.6 at V3's sizes); once per remote expert (7) is the send with no per-node sharing; V3's cap of 4 nodes gives
+    at most 4 x 7/8 = 3.5 (an upper bound: a token's experts may sit on fewer nodes)."""
+    from .deepseek_scale import ep_copies
+    copies = ep_copies({"ep": sizes["nodes"] * 8, "gpus_per_node": 8, "top_k": sizes["top_k"],
+                        "experts": sizes["experts"], "node_limit": sizes["nodes_limit"]})
     per_copy = sizes["hidden"] * (sizes["dispatch_bytes"] + sizes["combine_bytes"])
-    remote = (sizes["nodes"] - 1) / sizes["nodes"]
-    rows = {"node-limited (<= 4 nodes, once per node)": sizes["nodes_limit"] * remote,
-            "no limit (once per remote expert)": sizes["top_k"] * remote}
+    rows = {"once per remote expert (no sharing per node)": copies.iloc[0],
+            "no limit: once per remote node used": copies.iloc[1],
+            f"<= {sizes['nodes_limit']:g} nodes (V3): at most": copies.iloc[2]}
     out = pd.DataFrame({"copies_over_ib": rows})
     out["ib_bytes_per_token"] = out.copies_over_ib * per_copy
     out["us_per_1000_tokens"] = out.ib_bytes_per_token * 1000 / (sizes["ib_GBps"] * 1e9) * 1e6
