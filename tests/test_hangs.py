@@ -1,4 +1,4 @@
-"""Lesson 12's hangs: each kind is reported in time, naming the rank that diverged and the line, with nothing left
+"""Lesson 12's hangs: each kind is reported by the watchdog (or gloo), naming the rank that diverged and the line, with nothing left
 running; the fixes finish; the debugging tools say what the lesson says they say."""
 import functools
 import re
@@ -26,11 +26,11 @@ def warm(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", list(hangs.KINDS))
-def test_each_hang_is_reported_in_time_naming_the_diverging_rank_and_line(kind, runs_root, no_leftovers):
+def test_each_hang_is_reported_naming_the_diverging_rank_and_line(kind, runs_root, no_leftovers):
     out = hangs.reproduce(kind, timeout=TIMEOUT, runs_root=runs_root)
     failure = out.failure
     assert failure is not None, f"{kind} finished"
-    assert out.seconds < TIMEOUT + 5
+    assert failure.reason == ("signal" if kind == "shape" else "hung"), str(failure)   # the watchdog or gloo
     assert failure.rank == DIVERGING[kind] and failure.step == hangs.AT, str(failure)
     assert points_at_the_bug(failure, kind), str(failure)
     assert not leftover_processes()
@@ -84,7 +84,7 @@ def test_the_flight_recorder_cannot_speak_for_a_rank_that_died(runs_root):
 @pytest.mark.parametrize("kind, op", [("rank0_only", "ALLREDUCE"), ("order", "BROADCAST"), ("shape", "ALLREDUCE")])
 def test_detail_stops_every_rank_at_the_mismatch_and_names_each_ranks_collective(kind, op, runs_root, no_leftovers):
     out = hangs.reproduce(kind, timeout=TIMEOUT, debug=hangs.Debug(level="DETAIL"), runs_root=runs_root)
-    assert out.seconds < TIMEOUT + 5 and out.failure.reason == "raised"
+    assert out.failure.reason == "raised"   # DETAIL's check, not the watchdog, ended it
     prints = debugtools.fingerprints(out.failure)
     assert sorted(prints["rank"]) == [0, 1, 2], str(out.failure)
     keys = {row.rank: (row.op, row.shape) for row in prints.itertuples()}
@@ -94,9 +94,9 @@ def test_detail_stops_every_rank_at_the_mismatch_and_names_each_ranks_collective
 @pytest.mark.parametrize("kind", ["loop", "lock"])
 def test_monitored_barrier_names_the_rank_stuck_in_python_before_the_watchdog(kind, runs_root, no_leftovers):
     out = hangs.reproduce(kind, timeout=10, debug=hangs.Debug(barrier_s=1.0), runs_root=runs_root)
-    # reported before the watchdog would have fired (the report includes the launch and waiting for the peers)
-    assert out.seconds < 10 and out.failure.rank == 0 and out.failure.reason == "raised"
-    assert out.noticed < out.seconds and out.noticed < 10   # seen when rank 0 raised, long before the watchdog
+    # rank 0 raised in the barrier, so the watchdog did not end it (no wall-clock bound: a busy core must not fail it)
+    assert out.failure.rank == 0 and out.failure.reason == "raised"
+    assert out.noticed <= out.seconds   # noticed when rank 0 raised; the report then reads the peers' stacks
     assert re.search(r"Ranks 1 failed to pass monitoredBarrier", out.failure.detail), str(out.failure)
 
 
@@ -183,3 +183,19 @@ def test_lesson_12s_barrier_claim_compares_when_each_failure_was_noticed():
             hangs.barrier_speaks_first(timed(**late))
     with pytest.raises(AssertionError, match="did not fail"):
         hangs.barrier_speaks_first(timed(loop=None, lock=1.5, order=2.1))
+
+
+def test_lesson_12s_report_time_claim_allows_the_timeout_plus_five_seconds():
+    def timed(*seconds):
+        return hangs.Timed({f"k{i}": hangs.Outcome(f"k{i}", s, object(), None) for i, s in enumerate(seconds)}, 0.0,
+                           {"timeout": 4.0})
+    assert "limit 9 s" in hangs.reported_soon(timed(4.5, 8.9))
+    with pytest.raises(AssertionError):
+        hangs.reported_soon(timed(4.5, 9.2))
+
+
+def test_waits_in_reads_each_ranks_step_and_collective(runs_root):
+    failure = hangs.reproduce("rank0_only", timeout=TIMEOUT, runs_root=runs_root).failure
+    waits = hangs.waits_in(failure)
+    assert {r: w[1:] for r, w in waits.items()} == {0: (hangs.AT, ["all_reduce"]), 1: (hangs.AT, ["barrier"]),
+                                                   2: (hangs.AT, ["barrier"])}

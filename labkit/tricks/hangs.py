@@ -310,3 +310,18 @@ def _dump_when_stalled(ctx: Any, stall_s: float) -> None:
             dump_flight_recorder(RunDir(ctx.run_dir).flight_record(ctx.rank))
             return
         time.sleep(0.05)
+
+
+def reported_soon(timed: Timed) -> str:
+    """Lesson 12's timing claim: each hang in `timed` was reported within its watchdog timeout plus 5 s (the report
+    waits for the peers and reads their stacks). gated("12: ...", reported_soon, timed(...))."""
+    limit = timed.settings["timeout"] + 5
+    seconds = {kind: round(out.seconds, 1) for kind, out in timed.outcomes.items()}
+    assert max(seconds.values()) < limit, f"{seconds} (limit {limit:g} s)"
+    return f"slowest report {max(seconds.values()):.1f} s (limit {limit:g} s)"
+
+
+def waits_in(failure: RankFailure) -> dict[int, tuple[str, int | None, list[str]]]:
+    """Each rank's state, step and the collectives its report says it waits in: {rank: (state, step, [ops])}."""
+    import re
+    return {s.rank: (s.state, s.step, re.findall(r"in (\w+)\), called at", s.detail)) for s in failure.statuses}
