@@ -61,3 +61,15 @@ def test_paid_by_next_step_is_about_one_save_and_falls_when_the_save_is_not_paid
     # Broken on purpose: the steps after a save are no longer than the others (the save happened elsewhere).
     unpaid = recovery.save_costs(_fake_run(tmp_path / "unpaid", [1.0] * 12, [0.1] * 12, saves))
     assert not 0.5 <= unpaid["paid_by_next_step"] <= 2.0         # the lesson's gated check would fail
+
+
+def test_exact_resume_counts_differing_records_and_missing_steps(tmp_path):
+    losses = [2.0 - 0.1 * s for s in range(8)]
+    reference = _fake_run(tmp_path / "reference", losses)
+    exact = _fake_run(tmp_path / "exact", losses)       # steps 0-7; compared from step 4 on below
+    differ, same_rows = recovery.exact_resume(reference, exact, ["loss", "lr"], first=0)
+    assert differ == {"loss": 0, "lr": 0} and same_rows
+    # Broken on purpose: one loss off by one ulp is counted; a resume that starts late is not the same records.
+    off = _fake_run(tmp_path / "off", losses[:5] + [losses[5] + 1e-15] + losses[6:])
+    assert recovery.exact_resume(reference, off, ["loss"], first=0)[0] == {"loss": 1}
+    assert recovery.exact_resume(reference, exact, ["loss"], first=4)[1] is False    # steps 0-3 too many

@@ -181,6 +181,40 @@ def save_costs(run: Run) -> dict[str, float]:
     return costs
 
 
+def cost_table(timed: dict[str, Any]) -> pd.DataFrame:
+    """One row per model size of an interleaved measurement: its parameters, then save_costs of its run, then
+    bytes per parameter and a save's time in steps (save / step)."""
+    from ..training.tasks import make_task
+    rows = {}
+    for size, t in timed.items():
+        params = sum(p.numel() for p in make_task(t.run.config).build_model().parameters())
+        rows[size] = {"parameters": params, **save_costs(t.run)}
+    costs = pd.DataFrame(rows).T
+    costs["bytes / parameter"] = costs["bytes"] / costs["parameters"]
+    costs["save / step"] = costs["save_s"] / costs["step_s"]
+    return costs
+
+
+def fresh_import_s() -> float:
+    """Seconds a fresh Python interpreter takes to import torch and torch._dynamo (what DDP pulls in): the floor of
+    a restart that starts new processes, as torchrun's agent does."""
+    import subprocess
+    import sys
+    code = "import time; t = time.perf_counter(); import torch, torch._dynamo; print(time.perf_counter() - t)"
+    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(fresh.stdout)
+
+
+def exact_resume(reference: Run, resumed: Run, columns: Sequence[str], first: int) -> tuple[dict[str, int], bool]:
+    """Records of `resumed` against `reference` on the same (step, rank): per column, how many differ, and whether
+    `resumed` holds exactly the reference's records from step `first` on (no step missing, none extra)."""
+    ref = reference.df.set_index(["step", "rank"])
+    mine = resumed.df.set_index(["step", "rank"])
+    same_rows = sorted(mine.index) == [i for i in sorted(ref.index) if i[0] >= first]
+    differ = {c: int((ref.loc[mine.index, c] != mine[c]).sum()) for c in columns if c in mine}
+    return differ, same_rows
+
+
 def loss_slope(run: Run, first_step: int = 0) -> float:
     """Least-squares slope of the run's loss (mean over ranks) per step, over its steps from `first_step` on;
     below 0 while the run still learns:  loss_slope(resumed, first_step=12) -> -0.004."""
