@@ -176,3 +176,28 @@ def test_lesson_16s_message_claims_on_counted_messages_and_a_wasteful_wrapper_ca
     assert len(torch_sent) < len(speeds.messages(run, "yours")[2])                # so fewer messages than yours
     with pytest.raises(KeyError, match="no steps of 'nobody'"):
         speeds.messages(run, "nobody")
+
+
+def test_the_bucket_sweeps_claim_functions_hold_on_a_tight_sweep_and_fail_on_a_broken_one():
+    """Lesson 16's sweep claims (speeds.*), each returning (holds, measured), on hand-made messages: a sweep that
+    holds, then the same sweep broken one way per claim."""
+    cap = 2**20   # 1 MB
+    timeline = lambda sizes: [(i, i + 1, b) for i, b in enumerate(sizes)]   # noqa: E731 - (launch, done, bytes)
+    run = type("Run", (), {})()
+    run.df = pd.DataFrame([{"label": "yours 1.0 MB", "step_of": s, "rank": 0, "timeline": timeline([cap, cap // 2])}
+                           for s in (2, 3)])
+    assert speeds.sends_each_byte_once(run, (1.0,), cap + cap // 2)[0]
+    assert speeds.packs_tightly(run, (1.0,), largest_gradient=cap // 4)[0]
+    assert not speeds.sends_each_byte_once(run, (1.0,), cap)[0]              # the tied weight sent twice, say
+    run.df.timeline = [timeline([cap // 4, cap // 4, cap])] * 2               # two that fit in one bucket
+    holds, measured = speeds.packs_tightly(run, (1.0,), largest_gradient=cap // 4)
+    assert not holds and "would have fit in one bucket" in measured
+
+    sweep = pd.DataFrame({"implementation": ["yours"] * 3 + ["torch DDP"] * 3, "bucket_mb": [0.05, 1.0, 4.0] * 2,
+                          "allreduces": [30, 4, 1, 17, 4, 1],
+                          "largest message (KiB)": [100, 1100, 3000, 250, 1030, 3000]})
+    assert speeds.fewer_messages_as_buckets_grow(sweep, "yours")[0]
+    assert speeds.torch_overshoots_by_under_a_gradient(sweep, (0.05, 1.0, 4.0), 3000 * 2**10, 300 * 2**10)[0]
+    assert not speeds.torch_overshoots_by_under_a_gradient(sweep, (0.05, 1.0, 4.0), 3000 * 2**10, 10 * 2**10)[0]
+    sweep.loc[2, "allreduces"] = 2                                            # never down to one message
+    assert not speeds.fewer_messages_as_buckets_grow(sweep, "yours")[0]

@@ -152,3 +152,39 @@ def packing_problems(step_bytes: list[int], cap: float, largest_gradient: int) -
     problems += [f"messages {i} and {i + 1} ({a:,} + {b:,} B) would have fit in one bucket of {cap:,.0f} B"
                  for i, (a, b) in enumerate(zip(step_bytes, step_bytes[1:])) if a + b <= cap]
     return problems
+
+
+# The bucket sweep's claims (lesson 16), one function per claim: each returns (holds, what was measured).
+
+def fewer_messages_as_buckets_grow(sweep: pd.DataFrame, implementation: str) -> tuple[bool, str]:
+    """Claim: the all-reduce count falls (never rises) as the bucket grows, down to one message at the largest size."""
+    counts = sweep[sweep.implementation == implementation].sort_values("bucket_mb").allreduces.tolist()
+    holds = counts == sorted(counts, reverse=True) and counts[0] > counts[-1] == 1
+    return holds, f"all-reduces per step from the smallest bucket up: {[round(c, 1) for c in counts]}"
+
+
+def sends_each_byte_once(run: Run, sizes_mb: tuple, model_bytes: int, label: str = "yours",
+                         warm: int = 2) -> tuple[bool, str]:
+    """Claim: at every bucket size and timed step, the messages add up to one gradient of every trained tensor."""
+    sent = {(mb, step): sum(b) for mb in sizes_mb for step, b in messages(run, f"{label} {mb} MB", warm).items()}
+    wrong = {key: total for key, total in sent.items() if total != model_bytes}
+    return not wrong, f"{len(sent)} steps, {model_bytes:,} B each" + (f"; wrong: {wrong}" if wrong else "")
+
+
+def packs_tightly(run: Run, sizes_mb: tuple, largest_gradient: int, label: str = "yours",
+                  warm: int = 2) -> tuple[bool, str]:
+    """Claim: no message over the cap (unless one gradient is larger), no two messages that would fit in one bucket."""
+    problems = [f"{mb} MB step {step}: {p}" for mb in sizes_mb
+                for step, sent in messages(run, f"{label} {mb} MB", warm).items()
+                for p in packing_problems(sent, mb * 2**20, largest_gradient)]
+    return not problems, "; ".join(problems[:2]) or f"{len(sizes_mb)} bucket sizes, every timed step"
+
+
+def torch_overshoots_by_under_a_gradient(sweep: pd.DataFrame, sizes_mb: tuple, model_bytes: int,
+                                         largest_gradient: int) -> tuple[bool, str]:
+    """Claim: where the cap splits the model, torch DDP's largest message is over the cap by less than one gradient."""
+    by_size = sweep.set_index(["implementation", "bucket_mb"])
+    largest = {mb: by_size.loc[("torch DDP", mb), "largest message (KiB)"] * 2**10 for mb in sizes_mb
+               if mb * 2**20 < model_bytes}
+    holds = all(mb * 2**20 < b <= mb * 2**20 + largest_gradient for mb, b in largest.items())
+    return holds, ", ".join(f"{mb} MB cap: {b / 2**20:.3f} MB" for mb, b in largest.items())
