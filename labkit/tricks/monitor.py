@@ -278,8 +278,16 @@ def _run_path(run: Run | str | Path) -> Path:
 
 # The lesson's straggler claims, one per function: each reads the two timed runs' events back (labels as in
 # lesson 11's interleaved(...)), asserts one thing, and returns what it measured. Hand them to claims.gated.
+_READ: dict[tuple, pd.DataFrame] = {}   # per-rank medians already read, by (run dir, labels): five claims, one read
+
+
 def _medians(timed, labels=("healthy", "rank 1 slowed")) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    calm, slowed = (per_rank(read_tensorboard(timed[label].run)) for label in labels)
+    runs = [timed[label].run for label in labels]
+    key = tuple(str(getattr(run, "path", id(run))) for run in runs)
+    if key not in _READ:
+        _READ.clear()
+        _READ[key] = [per_rank(read_tensorboard(run)) for run in runs]
+    calm, slowed = _READ[key]
     return calm, slowed, (slowed - calm) * 1000
 
 
