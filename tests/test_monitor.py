@@ -128,3 +128,23 @@ def test_two_torchrun_nodes_write_one_run_dir_the_monitor_reads(runs_root, no_le
     assert sorted(table["rank"].unique()) == [0, 1] and table.groupby("rank").size().tolist() == [8, 8]
     assert [s.rank for s in monitor.stragglers(table)] == [1]
     assert not leftover_processes()
+
+
+def test_the_lessons_straggler_checks_pass_on_a_straggler_and_name_what_is_wrong(monkeypatch):
+    """Lesson 11's gated checks, on synthetic events: a healthy pair and one whose rank 1 computes 25 ms more."""
+    from types import SimpleNamespace
+    tables = {"healthy": synthetic([0.01, 0.01], [0.0, 0.0]), "rank 1 slowed": synthetic([0.01, 0.035], [0.025, 0.0]),
+              "rank 0 slowed": synthetic([0.035, 0.01], [0.0, 0.025])}
+    monkeypatch.setattr(monitor, "read_tensorboard", lambda run: tables[run])
+    timed = {label: SimpleNamespace(run=label) for label in tables}
+    assert "ms per rank" in monitor.everyone_slowed(timed, 0.025)
+    assert monitor.steps_end_together(timed).startswith("slowest")
+    assert monitor.only_its_compute_grew(timed, 1, 0.025).startswith("compute grew")
+    assert monitor.no_false_alarm(timed) == "none named"
+    assert monitor.straggler_named(timed, 1) == "named [1]"
+    with pytest.raises(AssertionError):
+        monitor.only_its_compute_grew(timed, 0, 0.025)      # rank 0's compute did not grow
+    with pytest.raises(AssertionError):
+        monitor.straggler_named(timed, 1, label="rank 0 slowed")
+    with pytest.raises(AssertionError):
+        monitor.no_false_alarm(timed, label="rank 1 slowed")

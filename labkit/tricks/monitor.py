@@ -274,3 +274,54 @@ def _tb_name(run: Run) -> str:
 
 def _run_path(run: Run | str | Path) -> Path:
     return run.path if isinstance(run, Run) else Path(run)
+
+
+# The lesson's straggler claims, one per function: each reads the two timed runs' events back (labels as in
+# lesson 11's interleaved(...)), asserts one thing, and returns what it measured. Hand them to claims.gated.
+_READ: dict[tuple, pd.DataFrame] = {}   # per-rank medians already read, by (run dir, labels): five claims, one read
+
+
+def _medians(timed, labels=("healthy", "rank 1 slowed")) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    runs = [timed[label].run for label in labels]
+    key = tuple(str(getattr(run, "path", id(run))) for run in runs)
+    if key not in _READ:
+        _READ.clear()
+        _READ[key] = [per_rank(read_tensorboard(run)) for run in runs]
+    calm, slowed = _READ[key]
+    return calm, slowed, (slowed - calm) * 1000
+
+
+def everyone_slowed(timed, delay_s: float) -> str:
+    """Every rank's median step grew by more than half the delay one rank was given."""
+    grew = _medians(timed)[2]["t_step"]
+    assert (grew > 0.5 * delay_s * 1000).all(), grew
+    return f"step time grew {grew.round(1).tolist()} ms per rank"
+
+
+def steps_end_together(timed) -> str:
+    """In the slowed run, the ranks' median step times are within 20 % of each other."""
+    steps = _medians(timed)[1]["t_step"]
+    assert steps.max() / steps.min() < 1.2, steps
+    return f"slowest / fastest rank's median step {steps.max() / steps.min():.2f}"
+
+
+def only_its_compute_grew(timed, rank: int, delay_s: float) -> str:
+    """The slowed rank's compute grew by more than half the delay; no other rank's compute did."""
+    grew = _medians(timed)[2]["compute"]
+    others = grew.drop(rank)
+    assert grew.loc[rank] > 0.5 * delay_s * 1000 > others.max(), grew
+    return f"compute grew {grew.round(1).tolist()} ms per rank"
+
+
+def no_false_alarm(timed, label: str = "healthy") -> str:
+    """monitor.stragglers names no rank in the healthy run."""
+    named = stragglers(read_tensorboard(timed[label].run))
+    assert named == [], named
+    return "none named"
+
+
+def straggler_named(timed, rank: int, label: str = "rank 1 slowed") -> str:
+    """monitor.stragglers names exactly the slowed rank."""
+    named = [s.rank for s in stragglers(read_tensorboard(timed[label].run))]
+    assert named == [rank], named
+    return f"named {named}"
