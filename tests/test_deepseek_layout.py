@@ -9,7 +9,7 @@ import torch
 
 import labkit
 from labkit import ConfigError, RunConfig
-from labkit.tricks import deepseek, deepseek_scale
+from labkit.tricks import deepseek, deepseek_rope, deepseek_scale
 from labkit.training.moe_task import TinyMoE
 from labkit.training.parallel.moe_stages import split_deepseek
 
@@ -30,7 +30,7 @@ def runs(tmp_path_factory):
 def test_both_layouts_train_like_one_process(runs):
     gaps = deepseek.loss_gaps(runs)
     assert (gaps < LOSS_TOLERANCE).all(), gaps
-    assert deepseek.pair_disagreement(runs["ZeRO-3 + TP"]) == 0.0   # a TP pair's weights stay equal
+    assert deepseek_rope.pair_disagreement(runs["ZeRO-3 + TP"]) == 0.0   # a TP pair's weights stay equal
     v3 = runs["PP x EP x ZeRO-1"].df
     assert v3.groupby("rank").loss.apply(lambda s: s.notna().all()).to_dict() == {0: False, 1: True, 2: False, 3: True}
 
@@ -79,8 +79,8 @@ def test_the_bias_sums_the_loads_over_the_stage_pair(tmp_path):
 
 
 def test_without_the_rotary_key_sum_the_tp_pair_parts(tmp_path):
-    trap = deepseek.rope_trap(steps=3, runs_root=tmp_path)
-    assert deepseek.pair_disagreement(trap) > 1e-7, trap.df[["step", "rank", "loss"]]
+    trap = deepseek_rope.rope_trap(steps=3, runs_root=tmp_path)
+    assert deepseek_rope.pair_disagreement(trap) > 1e-7, trap.df[["step", "rank", "loss"]]
 
 
 @pytest.mark.parametrize("fields, named", [

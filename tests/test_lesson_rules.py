@@ -41,7 +41,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("18_pipeline_parallel", "(side[side.m > P]['1F1B MB'] < side[side.m > P]['GPipe MB']).all()"):
         "bytes of saved activations, counted by saved-tensor hooks, not a time",
     ('11_monitoring', 'gap < 1e-06'):
-        "a loss difference between the healthy and the slowed run (the same computation), not a time",
+        "the largest difference between what TensorBoard's events hold and what the records hold, not a time",
     ('11_monitoring', 'monitor.clock_is_off(clocked_table, 1, SKEW)'):
         "a clock offset recovered from the records (the injected skew, 2.5 s, against 0.25 s of tolerance), not a "
         "speed: a busy core delays a step by milliseconds, both ranks alike",

@@ -21,6 +21,7 @@ from labkit.training.parallel.pipetrace import (StageTrace, bubble_fractions, gp
                                                 interleaved_bubble, message_waits, step_summary)
 from labkit.training.tasks import make_task
 from labkit.tricks import pipeline as pp
+from labkit.tricks import pipeline_traps as traps
 
 SCHEDULES = [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("LoopedBFS", 2), ("InterleavedZeroBubble", 2),
              ("ZBVZeroBubble", 2), ("DualPipeV", 2)]
@@ -213,14 +214,14 @@ def test_fixed_shapes_without_requires_grad_are_caught_on_step_one(tmp_path):
 
 
 def test_a_microbatch_count_mismatch_hangs_bounded_and_named(tmp_path):
-    failure, where = pp.mismatched_microbatches(pp.lesson_config("GPipe", microbatches=4, global_batch=16),
+    failure, where = traps.mismatched_microbatches(pp.lesson_config("GPipe", microbatches=4, global_batch=16),
                                                 timeout=4, runs_root=tmp_path)
     assert failure.reason == "hung" and "_wait_batch_p2p" in failure.detail
     assert where[0].startswith("after F1 of stage 0") and where[1].startswith("after F1 of stage 1")
 
 
 def test_a_size_mismatch_aborts_the_rank_and_names_the_stage(tmp_path):
-    failure, where = pp.mismatched_sizes(pp.lesson_config("GPipe", microbatches=4, global_batch=16),
+    failure, where = traps.mismatched_sizes(pp.lesson_config("GPipe", microbatches=4, global_batch=16),
                                          runs_root=tmp_path)
     assert failure.reason == "signal" and "SIGABRT" in failure.detail and failure.rank == 0  # received the gradient
     assert "stage 0" in where[0] and "stage 1" in where[1]
@@ -228,13 +229,13 @@ def test_a_size_mismatch_aborts_the_rank_and_names_the_stage(tmp_path):
 
 def test_shape_inference_without_numpy_names_numpy_on_one_rank_and_a_closed_connection_on_the_other(
         tmp_path, no_leftovers):
-    failure, saw = pp.without_numpy(pp.lesson_config("GPipe", microbatches=2, global_batch=8), rank=1,
+    failure, saw = traps.without_numpy(pp.lesson_config("GPipe", microbatches=2, global_batch=8), rank=1,
                                     runs_root=tmp_path)
     assert failure.rank == 1 and failure.reason == "raised" and "Numpy is not available" in saw[1]
     # gloo words the lost connection by when it noticed (as in test_failures): mid-read "Read error ... Connection
     # reset by peer" (seen once with a core busy), otherwise "Connection closed by peer"
     assert "Read error" in saw[0] or "Connection closed by peer" in saw[0], saw[0]
-    assert pp.ranks_left(failure.run_dir) == []
+    assert traps.ranks_left(failure.run_dir) == []
 
 
 def test_1f1b_holds_fewer_activations_than_gpipe_and_both_send_one_message_per_microbatch(tmp_path):

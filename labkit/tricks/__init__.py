@@ -20,10 +20,13 @@
     tpclaim.py     adding tensor parallelism to ZeRO-3: memory by part, speed      (lesson 14)
     seeds.py       seeds and reproducibility: seeding tools for your rank functions (lesson 08)
     playground.py  every trick's knobs on one panel                               (lesson 15)
-    pipeline.py    pipeline stages: timelines, the bubble, activations, messages, traps (lesson 18)
+    pipeline.py    pipeline stages: timelines, the bubble, activations, messages    (lesson 18)
+    pipeline_traps.py  a pipeline's hang, abort and missing numpy, named by stage  (lesson 18)
     experts.py     mixture of experts: balance, expert parallelism, the traps, MLA  (lesson 19)
+    experts_claims.py  lesson 19's claims, one function each                     (lesson 19)
     fp8.py         FP8: formats, scaling against outliers, training, the wire     (lesson 20)
     deepseek.py    ZeRO-3 + TP vs DeepSeek-V3's PP x EP x ZeRO-1: bytes, messages   (lesson 21)
+    deepseek_rope.py   TP on MLA: the rotary key's gradient left unsummed          (lesson 21)
     deepseek_scale.py  the two layouts at V3's size, on its network: a model      (lesson 21)
 
     from labkit.tricks import comm

@@ -388,26 +388,3 @@ def v3_faster_than_tp(measured: Any) -> str:
     v3, tp = speed["PP x EP x ZeRO-1"], speed["ZeRO-3 + TP"]
     assert v3 > tp, speed
     return f"{v3:.0f} vs {tp:.0f} samples/s"
-
-
-# --- the rotary key's gradient, left unsummed (what moe_tp.sum_rope_gradient fixes) ---------------------------------
-
-def without_rope_sum(ctx: Any) -> None:
-    """A rank of labkit's loop with moe_tp's rotary-key gradient sum left out: launch(without_rope_sum, config=cfg)."""
-    from ..training.loop import train
-    from ..training.parallel import moe_tp
-    moe_tp.sum_rope_gradient = lambda attn, mesh: None   # this rank's copy of the module only (a forked process)
-    train(ctx)
-
-
-def rope_trap(*, steps: int, runs_root: Any = None) -> Run:
-    """The article's layout trained with the rotary key's gradient left partial on each TP rank."""
-    config = lesson_config("ZeRO-3 + TP", steps=steps, name="ZeRO-3 + TP, rotary key not summed")
-    return launch(without_rope_sum, config=config, echo=False, runs_root=runs_root, timeout=120)
-
-
-def pair_disagreement(run: Run) -> float:
-    """The largest loss difference between the two ranks of a TP pair (ranks 2i and 2i+1), over every step: ranks
-    of a pair compute on the same rows with the same weights, so it is 0 when their weights stay equal."""
-    losses = run.df.pivot(index="step", columns="rank", values="loss")
-    return float(max((losses[r] - losses[r + 1]).abs().max() for r in range(0, losses.shape[1], 2)))
