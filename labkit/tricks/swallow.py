@@ -34,6 +34,10 @@ from ..training.tasks import make_task, preload
 from ..view import COLORS, new_figure, shown
 
 FAILS = ("data", "optimizer")
+# Hand it to launch(recipe(...), config=DIGITS): ranks then start with the digits data (and scikit-learn) loaded
+# wherever they are forked from, the kernel or labkit's warm process. Without it a rank forked from the warm process
+# imports scikit-learn itself, seconds on a busy machine, which a short watchdog reads as a hang before step 0.
+DIGITS = RunConfig(task="digits", world_size=2, global_batch=64, tensorboard=False, save_final=False)
 
 
 def recipe(*, fails: str = "data", bad_step: int = 3, steps: int = 10) -> Any:
