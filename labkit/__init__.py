@@ -8,6 +8,7 @@
     labkit.panel(two.config)            # knobs, Run/Stop, live figure: explore without editing code
 
 Your own function runs the same way: labkit.launch(fn, world_size=2), where fn(ctx) may be defined in a cell.
+Your own script, unchanged, under labkit's eyes: labkit.watch(["torchrun", "--nproc-per-node", "2", "train.py"]).
 
 The package, from the ground up (each room imports only from the rooms before it; README's Layout has every file):
     config.py, rundir.py, records.py, memory.py   the base: what a run is, what it leaves on disk, ZeRO's formulas
@@ -33,7 +34,8 @@ from . import memory  # noqa: E402
 # bring pandas, the figures matplotlib, the training loop transformers.
 _LAZY = {"Run": ".records", "load_run": ".records", "launch": ".run", "LaunchError": ".run", "RankFailure": ".run",
          "RankContext": ".run", "NonFiniteLoss": ".training.loop", "train": ".training.loop",
-         "make_task": ".training.tasks", "Claims": ".measure", "ClaimFailed": ".measure"}
+         "make_task": ".training.tasks", "Claims": ".measure", "ClaimFailed": ".measure",
+         "watch": ".tricks.watched", "watch_report": ".tricks.watched"}
 
 
 def __getattr__(name: str) -> object:

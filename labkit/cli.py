@@ -15,6 +15,10 @@ the run directory itself, under both launchers; without it a plain run goes to a
 (or ./runs). Bad input (no such file, not JSON, a bad field, a damaged run directory) is one line on stderr naming
 the file, and exit status 2; a run whose rank failed prints the failure report and exits 1.
 
+    python -m labkit watch --timeout 30 -- torchrun --nproc-per-node 2 train.py
+                                                              # YOUR script, unchanged: records per rank in a run
+                                                              # directory, a hang reported (rank, collective, line)
+                                                              # and the job ended; exit 0 ok, 1 failed, 3 hung
     python -m labkit --version                                # also `labkit --version`, the installed script
 
 The arguments are parsed before anything imports torch (labkit/__init__.py waits for the command line), so --help
@@ -75,7 +79,28 @@ def parser() -> argparse.ArgumentParser:
     compare.add_argument("-o", "--output", type=Path, required=True, help="image file to write (.png, .svg, .pdf)")
     compare.add_argument("--x", choices=("step", "samples"), default="step")
     compare.add_argument("--smooth", type=int, default=1, help="running mean of throughput over this many steps")
+    watch = sub.add_parser("watch", help="run your own command (torchrun, a script) with every rank recorded and "
+                           "a hang reported", description="labkit watch [--timeout S] [--run-dir DIR] -- COMMAND...")
+    watch.add_argument("--timeout", type=float, default=30.0,
+                       help="seconds a rank may go without an optimizer step or a new collective (default 30)")
+    watch.add_argument("--run-dir", type=Path, help="the run directory (default: a new one under $LABKIT_RUNS)")
+    watch.add_argument("job", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- torchrun ... train.py")
     return top
+
+
+def watch_command(args: argparse.Namespace) -> int:
+    """Exit status: 0 the job finished; 1 it failed on its own; 3 it hung (labkit ended it); 4 a rank was killed
+    from outside; 2 bad input; 127 the command is not on PATH."""
+    from .run.watch import CommandNotFound
+    from .tricks.watched import watch
+    job = args.job[1:] if args.job[:1] == ["--"] else args.job
+    try:
+        run = watch(job, timeout=args.timeout, run_dir=args.run_dir, echo=True)
+    except CommandNotFound as exc:
+        print(f"labkit watch: {exc}", file=sys.stderr)
+        return 127
+    from .tricks.watched import watch_report
+    return {"finished": 0, "failed": 1, "hung": 3, "killed": 4}[watch_report(run).outcome]
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -125,7 +150,7 @@ def compare_command(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": run_command, "show": show_command, "summary": show_command, "compare": compare_command}
+COMMANDS = {"watch": watch_command, "run": run_command, "show": show_command, "summary": show_command, "compare": compare_command}
 
 
 if __name__ == "__main__":

@@ -42,6 +42,14 @@ def current_attempt() -> int | None:
     return int(value) if value not in (None, "") else None
 
 
+def rank_error(rank: int, step: int, exc: BaseException) -> dict[str, Any]:
+    """The one error record of a failed rank, as rank<r>.error.json holds it (Run.failure reads the earliest):
+    rank_error(1, 7, exc) -> {"rank": 1, "step": 7, "type": ..., "message": ..., "traceback": ..., "time": ...}."""
+    import traceback
+    return {"rank": rank, "step": step, "type": type(exc).__name__, "message": str(exc),
+            "traceback": "".join(traceback.format_exception(exc)), "time": time.time()}
+
+
 class RankRecorder:
     """Writes one rank's records as JSON lines, the source of truth:
 

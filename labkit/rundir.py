@@ -12,6 +12,9 @@ Layout (the same under labkit's launcher and under torchrun):
     rank<r>.jsonl        one JSON object per recorded step, flushed line by line
     rank<r>.log          the rank's stdout and stderr (and faulthandler dumps)
     rank<r>.error.json   written when the rank raised: step, exception, traceback
+    rank<r>.beat         a watched rank's progress (`labkit watch`: time, step, state, newest collective)
+    rank<r>.fr.json      a rank's flight recorder, dumped when it stalled (lesson 12, `labkit watch`)
+    watch.ask, job.log   `labkit watch`'s request for those dumps; the watched command's output (notebooks)
     result<r>.pt         what a launched function returned on rank r
     failure.txt          the launcher's failure report
     pipeline<r>.now      a pipeline rank's current action, one line rewritten in place (strategy "pp")
@@ -139,6 +142,23 @@ class RunDir:
     def flight_record(self, rank: int) -> Path:
         """torch's flight recorder of one rank, dumped when it stalled (lesson 12's tools)."""
         return self.path / f"rank{rank}.fr.json"
+
+    def beat(self, rank: int) -> Path:
+        """A watched rank's progress (`labkit watch`): four numbers rewritten in place (training/agent.py)."""
+        return self.path / f"rank{rank}.beat"
+
+    def beats(self) -> list[Path]:
+        return _by_rank(self.path.glob("rank*.beat"))
+
+    @property
+    def watch_request(self) -> Path:
+        """Written by `labkit watch` when the ranks stalled: each watched rank then dumps its flight recorder."""
+        return self.path / "watch.ask"
+
+    @property
+    def job_output(self) -> Path:
+        """What a watched command printed (stdout and stderr), when `labkit.watch` runs it from a notebook."""
+        return self.path / "job.log"
 
     def flight_records(self) -> list[Path]:
         return _by_rank(self.path.glob("rank*.fr.json"))

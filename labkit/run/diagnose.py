@@ -39,9 +39,11 @@ from .rank import FINISHING, INITIALISING, Heartbeats
 from .reaping import exit_code
 
 CONSEQUENCE_WAIT_S = 2.0  # after a rank fails, the longest wait for its peers to fail too and say why
+_RANK_THREAD = "in rank_main"  # the frame every rank's main thread runs under (rank.py)
 STACK_DUMP_WAIT_S = 2.0  # after asking hung ranks for their stacks, the longest wait for the dumps (a busy machine)
 
 _TORCH_DIR = str(Path(torch.__file__).parent) + os.sep
+_AGENT_FILE = str(Path(__file__).parents[1] / "training" / "agent.py")  # `labkit watch`'s wrapper of backward()
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
 _PEER_FAILURE = re.compile(r"connection closed|connection reset|broken pipe|peer|socket|remote process|"
                            r"ProcessGroup|NCCL error|timed out", re.I)
@@ -110,18 +112,22 @@ def _is_consequence(status: RankStatus) -> bool:
     return status.state == "raised" and bool(_PEER_FAILURE.search(status.detail))
 
 
-def diagnose_hang(procs: list[Any], beats: Heartbeats, run_dir: Path, timeout: float) -> RankFailure:
-    """The RankFailure for ranks that stopped making progress: collect stacks, then pick the stuck rank."""
+def diagnose_hang(procs: list[Any], beats: Heartbeats, run_dir: Path, timeout: float,
+                  markers: dict[int, str] | None = None) -> RankFailure:
+    """The RankFailure for ranks that stopped making progress: collect stacks, then pick the stuck rank.
+    `markers`: per rank, the text that finds its main thread in a stack dump (default: labkit's rank_main frame;
+    `labkit watch` passes the thread's "0x..." id, since a user's script has no rank_main)."""
+    markers = markers or {}
     # Only ranks that registered the stack-dump handler may be sent SIGUSR1: it would kill the others.
     alive = [r for r, p in enumerate(procs) if exit_code(p) is None and beats.read(r)[2] >= INITIALISING]
-    stacks = _dump_stacks(procs, alive, run_dir)
+    stacks = _dump_stacks(procs, alive, run_dir, markers)
     now, statuses, places = time.time(), [], {}
     for rank, proc in enumerate(procs):
         beat, step, state, recorded = beats.read(rank)
         if exit_code(proc) is not None:
             statuses.append(_exit_status(rank, proc, beats, run_dir))
             continue
-        path, where, stack = _main_thread_top(stacks.get(rank, ""))
+        path, where, stack = _main_thread_top(stacks.get(rank, ""), markers.get(rank, _RANK_THREAD))
         caller, innermost = _caller(stack)
         if state < INITIALISING:
             statuses.append(RankStatus(rank, "hung", step, recorded,
@@ -173,19 +179,16 @@ def _why_this_one(cause: RankStatus, statuses: list[RankStatus], places: dict[in
             "behind (or the first to stop); compare the places")
 
 
-_RANK_THREAD = "in rank_main"  # the frame every rank's main thread runs under (rank.py)
-
-
-def dump_is_whole(text: str, at_last_look: str | None) -> bool:
+def dump_is_whole(text: str, at_last_look: str | None, marker: str = _RANK_THREAD) -> bool:
     """Whether a rank's stack dump has been written out: dump_is_whole(log_text_now, log_text_a_moment_ago).
     faulthandler writes one thread after another, line by line, each block ending in a blank line, and the rank's
     own thread (the one in rank_main) usually comes last: a blank line at the end is not enough (a busy machine
     showed the watchdog a dump of the other threads only). Whole: the rank's thread is in it and nothing arrived
     since the last look."""
-    return _RANK_THREAD in text and text.endswith("\n") and text == at_last_look
+    return marker in text and text.endswith("\n") and text == at_last_look
 
 
-def _dump_stacks(procs: list[Any], ranks: list[int], run_dir: Path) -> dict[int, str]:
+def _dump_stacks(procs: list[Any], ranks: list[int], run_dir: Path, markers: dict[int, str]) -> dict[int, str]:
     """Ask each rank for its Python stacks (faulthandler writes them to the rank's log); return the new text."""
     sizes = {r: _size(RunDir(run_dir).log(r)) for r in ranks}
     for r in ranks:
@@ -199,7 +202,7 @@ def _dump_stacks(procs: list[Any], ranks: list[int], run_dir: Path) -> dict[int,
     while time.monotonic() < deadline and len(dumps) < len(ranks):
         for r in ranks:
             text = _read(RunDir(run_dir).log(r))[sizes[r]:]
-            if dump_is_whole(text, seen.get(r)):
+            if dump_is_whole(text, seen.get(r), markers.get(r, _RANK_THREAD)):
                 dumps[r] = text
             seen[r] = text
         time.sleep(0.02)
@@ -208,16 +211,17 @@ def _dump_stacks(procs: list[Any], ranks: list[int], run_dir: Path) -> dict[int,
     return dumps
 
 
-def _main_thread_top(dump: str) -> tuple[str, str, str]:
-    """(file, "file:line in function", stack text) of the innermost frame of the thread running the rank."""
+def _main_thread_top(dump: str, marker: str = _RANK_THREAD) -> tuple[str, str, str]:
+    """(file, "file:line in function", stack text) of the innermost frame of the thread running the rank: the
+    thread whose block holds `marker` (labkit's rank_main frame, or a watched script's "0x..." thread id)."""
     blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump)
     for block in blocks:
-        if "in rank_main" in block:
+        if marker in block:
             frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', block)
             if frames:
                 path, line, func = frames[0]
                 # Frames below rank_main are the launcher's own (fork/spawn machinery): not the user's business.
-                mine = block[:block.index("in rank_main") + len("in rank_main")]
+                mine = block[:block.index(marker) + len(marker)] if marker == _RANK_THREAD else block
                 return path, f"{_short(path)}:{line} in {func}", mine.strip()
     return "", "", dump.strip()
 
@@ -227,9 +231,15 @@ def _caller(stack: str) -> tuple[str, bool]:
     is the innermost frame of all): the line of the rank's own code that called into torch or the library."""
     frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', stack)
     for i, (path, line, func) in enumerate(frames):
-        if not (path.startswith(_TORCH_DIR) or _in_stdlib(path)):
+        if is_users(path):
             return f"{Path(path).name}:{line} in {func}", i == 0
     return "", False
+
+
+def is_users(path: str) -> bool:
+    """Whether a frame's file is the user's code: not torch, not Python's standard library, not labkit watch's
+    wrapper of backward() (a watched rank's stack passes through it):  is_users("/tmp/train.py") -> True."""
+    return not (path.startswith(_TORCH_DIR) or _in_stdlib(path) or path == _AGENT_FILE)
 
 
 def _in_stdlib(path: str) -> bool:

@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
-import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -28,7 +26,7 @@ import torch
 
 from ..config import RunConfig
 from ..context import Beats, RankContext
-from ..records import FAILURE_MARKER, RankRecorder
+from ..records import FAILURE_MARKER, RankRecorder, rank_error
 from ..rundir import RunDir
 
 __all__ = ["JoinSpec", "RankContext", "join", "leave", "write_rank_error", "nccl_problem", "resolve_backend",
@@ -83,13 +81,11 @@ def write_rank_error(run_dir: str | Path, rank: int, step: int, exc: BaseExcepti
     """The one error record of a failed rank: rank<r>.error.json (Run.failure reads the earliest) and, with
     `to_log`, FAILURE_MARKER and the traceback on stderr, which is the rank's log under labkit's launcher (the live
     echo stops at the marker). Under torchrun the exception goes on up, and torchrun prints it itself."""
-    text = "".join(traceback.format_exception(exc))
+    error = rank_error(rank, step, exc)
     if to_log:
         sys.stderr.write(f"{FAILURE_MARKER} at step {step} ({type(exc).__name__}); the launcher reports the cause\n"
-                         f"{text}")
+                         f"{error['traceback']}")
         sys.stderr.flush()
-    error = {"rank": rank, "step": step, "type": type(exc).__name__, "message": str(exc), "traceback": text,
-             "time": time.time()}
     RunDir(run_dir).error(rank).write_text(json.dumps(error, indent=2))
 
 

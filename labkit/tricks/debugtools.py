@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 import shutil
 import subprocess
@@ -40,6 +39,7 @@ from ..view import COLORS, new_figure, shown
 from ..rundir import RunDir, rank_of, runs_root as resolve_runs_root
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
+_AGENT_FILE = str(Path(__file__).parents[1] / "training" / "agent.py")  # `labkit watch` wraps backward() there
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+),? ?"
                           r"OpType=(\w+)(?:, TensorShape=\[([^\]]*)\])?(?:, TensorDtypes=(\w+))?")
@@ -47,14 +47,8 @@ _FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPr
 
 def dump_flight_recorder(path: Path) -> None:
     """Write this process's flight recorder (every process group) to `path` as JSON; called inside a rank."""
-    import torch._C._distributed_c10d as c10d
-    raw = pickle.loads(c10d._dump_fr_trace(includeStackTraces=True))  # made by this very process: trusted
-    keep = ("collective_seq_id", "profiling_name", "input_sizes", "input_dtypes", "retired", "process_group",
-            "is_p2p", "time_created_ns")
-    entries = [{**{k: e.get(k) for k in keep}, "frames": [[f["filename"], f["line"], f["name"]]
-                                                          for f in e.get("frames", [])]}
-               for e in raw.get("entries", [])]
-    Path(path).write_text(json.dumps({"entries": entries}, default=list))
+    from ..training import flight
+    flight.dump(path)
 
 
 def flight_records(run: Run | str | Path) -> pd.DataFrame:
@@ -209,7 +203,7 @@ def _last_sign(run: Path, rank: int) -> float:
 
 def _caller(frames: list[list[Any]]) -> str:
     for filename, line, name in frames:
-        if not str(filename).startswith(_TORCH_DIR):
+        if not str(filename).startswith(_TORCH_DIR) and str(filename) != _AGENT_FILE:
             return f"{Path(filename).name}:{line} in {name}"
     return ""
 

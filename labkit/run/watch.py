@@ -1,0 +1,277 @@
+"""Run a user's own command (torchrun, a framework's launcher, plain python) and watch its ranks from outside.
+
+    from labkit.run.watch import supervise
+    job = supervise(["torchrun", "--nproc-per-node", "2", "train.py"], run_dir, timeout=30)
+    job.outcome        # "finished" | "failed" (the job ended non-zero) | "hung" (labkit ended it) | "killed"
+    job.failure        # the RankFailure naming the cause (None when it finished), lesson 12's diagnosis
+    job.code           # the command's own exit status
+
+The ranks record themselves (training/agent.py, loaded by training/site/sitecustomize.py, which leads PYTHONPATH);
+this side reads their beat files. A rank whose agent has said neither "done" nor made a step or issued a collective
+for `timeout` seconds is hung: the watcher asks every rank for its Flight Recorder (watch.ask), asks for their
+stacks (SIGUSR1: faulthandler, no ptrace), diagnoses with diagnose_hang (the same as a notebook launch), then ends
+the whole job: the command's process group, every descendant (torchrun puts its workers in their own sessions),
+SIGTERM then SIGKILL. Nothing is left running, whichever way the job ends.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..records import write_meta, write_outcome
+from ..rundir import RunDir, rank_of
+from ..training import agent
+from .diagnose import STACK_DUMP_WAIT_S, await_exits, classify_exits, diagnose_hang
+from .failure import LaunchError, RankFailure
+
+SITE_DIR = Path(agent.__file__).parent / "site"
+POLL_S = 0.1
+TERM_GRACE_S = 3.0   # after SIGTERM, how long the job's processes get before SIGKILL
+FR_WAIT_S = 2.0      # after asking for the Flight Recorders, the longest wait for the dumps
+
+
+class CommandNotFound(LaunchError):
+    """The command to watch is not on PATH (torchrun missing from this environment, a typo)."""
+
+
+@dataclass
+class Job:
+    """How a watched command ended (see the module docstring)."""
+
+    run_dir: Path
+    code: int
+    outcome: str
+    failure: RankFailure | None = None
+    ranks: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
+class WatchedRank:
+    """A rank of the watched job seen from outside (not our child): its pid and how it ended, for diagnose.py."""
+
+    rank: int
+    pid: int
+    run_dir: RunDir
+
+    def exit_code(self) -> int | None:
+        """None while it runs; 0 when its agent said done, 1 when it left an error file, else -SIGKILL (it
+        vanished without either: killed from outside, or crashed; torchrun's summary has its signal)."""
+        if _alive(self.pid):
+            return None
+        state = _read_beat(self.run_dir, self.rank)[2]
+        if self.run_dir.error(self.rank).exists():
+            return 1
+        return 0 if state == agent.DONE else -signal.SIGKILL
+
+    def is_reaped(self) -> bool:
+        return not _alive(self.pid)
+
+
+class FileBeats:
+    """The agents' beat files, read like the launcher's shared heartbeat table (rank.Heartbeats.read)."""
+
+    def __init__(self, run_dir: RunDir):
+        self.run_dir = run_dir
+
+    def read(self, rank: int) -> tuple[float, int, float, int]:
+        beat, step, state, _ = _read_beat(self.run_dir, rank)
+        return beat, int(step), state, int(step) - 1
+
+
+def _read_beat(run_dir: RunDir, rank: int) -> tuple[float, float, float, float]:
+    try:
+        data = run_dir.beat(rank).read_bytes()
+        return agent.BEAT.unpack(data[:agent.BEAT.size])
+    except (FileNotFoundError, Exception):  # not written yet, or cut short: nothing to say
+        return time.time(), 0.0, 0.0, -1.0
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie has ended: its parent has not collected it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, IndexError, ProcessLookupError):
+        return False
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, theirs, ...), read from /proc: torchrun's workers lead their own
+    sessions, so a process group does not reach them."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def resolve(command: Sequence[str]) -> list[str]:
+    """The command with its program found on PATH; CommandNotFound (one line) when it is not there."""
+    if not command:
+        raise LaunchError("nothing to watch: give the command after --, e.g. labkit watch -- torchrun ... train.py")
+    program = command[0]
+    found = shutil.which(program) if os.sep not in program else (program if os.access(program, os.X_OK) else None)
+    beside = Path(sys.executable).parent / program  # this Python's own scripts (a venv that was not activated)
+    if not found and os.sep not in program and os.access(beside, os.X_OK):
+        found = str(beside)
+    if not found:
+        hint = " (torchrun comes with torch: is this the environment torch is installed in?)" \
+            if Path(program).name == "torchrun" else ""
+        raise CommandNotFound(f"{program}: command not found on PATH{hint}")
+    return [found, *command[1:]]
+
+
+def environment(run_dir: RunDir) -> dict[str, str]:
+    """The job's environment: labkit's sitecustomize first on PYTHONPATH, the run directory for the agents."""
+    env = dict(os.environ)
+    env.pop(agent.OWNER_ENV, None)
+    paths = [str(SITE_DIR), str(SITE_DIR.parents[2])]  # the agent, and labkit itself for a python that lacks it
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env[agent.DIR_ENV] = str(run_dir.path.resolve())
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def supervise(command: Sequence[str], run_dir: RunDir, timeout: float, *, output: Any = None,
+              on_poll: Callable[[], None] | None = None) -> Job:
+    """Run `command` with an agent in every rank, until it ends or hangs (see the module docstring). `output`: a
+    file for its stdout and stderr (None: this process's own); `on_poll`: called every POLL_S (a live view)."""
+    if not timeout > 0:
+        raise LaunchError(f"--timeout {timeout!r}: give the seconds a rank may go without a step or a collective, > 0")
+    argv = resolve(command)
+    started = time.time()
+    write_meta(run_dir.path, launched_at=started, name=Path(command[0]).name, start_method="watch",
+               command=list(command))
+    proc = subprocess.Popen(argv, env=environment(run_dir), start_new_session=True,
+                            stdout=output, stderr=subprocess.STDOUT if output is not None else None)
+    ranks: dict[int, WatchedRank] = {}
+    exited_at: dict[int, float] = {}
+    hung: list[int] = []
+    try:
+        while proc.poll() is None:
+            _find_ranks(run_dir, ranks)
+            now = time.time()
+            for r, watched in ranks.items():
+                if r not in exited_at and watched.exit_code() is not None:
+                    exited_at[r] = now
+            beats = FileBeats(run_dir)
+            hung = [r for r in ranks if r not in exited_at and beats.read(r)[2] != agent.DONE
+                    and now - beats.read(r)[0] > timeout]
+            if hung:
+                break
+            if on_poll:
+                on_poll()
+            time.sleep(POLL_S)
+        _find_ranks(run_dir, ranks)
+        procs = [ranks.get(r) or _gone(r, run_dir) for r in range(max(ranks, default=-1) + 1)]
+        failure = None
+        if hung:
+            failure = _diagnose_hang(procs, run_dir, timeout)
+        elif proc.returncode not in (0, None) and ranks:
+            exited_at = await_exits(procs, exited_at)
+            failed = sorted((r for r in exited_at if procs[r].exit_code() not in (0, None)), key=exited_at.get)
+            if failed:
+                failure = classify_exits(procs, FileBeats(run_dir), run_dir.path, failed, exited_at)
+    finally:
+        end_job(proc, hard=bool(hung))
+    code = proc.returncode if proc.returncode is not None else -signal.SIGKILL
+    outcome = "hung" if hung else "finished" if code == 0 else \
+        "killed" if failure is not None and failure.reason == "signal" else "failed"
+    write_outcome(run_dir.path, None if outcome == "finished" else str(failure or f"exit status {code}"))
+    write_meta(run_dir.path, **{**_meta(run_dir), "world_size": len(ranks), "exit_code": code})
+    return Job(run_dir.path, code, outcome, failure, sorted(ranks), time.time() - started)
+
+
+def _meta(run_dir: RunDir) -> dict[str, Any]:
+    from ..records import read_meta
+    return read_meta(run_dir.path)
+
+
+def _find_ranks(run_dir: RunDir, ranks: dict[int, WatchedRank]) -> None:
+    for path in run_dir.pidfiles():
+        rank = rank_of(path)
+        if rank not in ranks:
+            try:
+                ranks[rank] = WatchedRank(rank, int(path.read_text()), run_dir)
+            except ValueError:
+                continue  # written but not yet filled
+
+
+def _gone(rank: int, run_dir: RunDir) -> WatchedRank:
+    return WatchedRank(rank, -1, run_dir)  # a rank that never started its agent
+
+
+def _diagnose_hang(procs: list[WatchedRank], run_dir: RunDir, timeout: float) -> RankFailure:
+    """Every live rank dumps its Flight Recorder (its agent's thread), then its stacks (faulthandler); diagnose."""
+    for old in run_dir.flight_records():
+        old.unlink()
+    run_dir.watch_request.write_text(str(time.time()))
+    alive = [p for p in procs if p.exit_code() is None]
+    deadline = time.monotonic() + FR_WAIT_S
+    while time.monotonic() < deadline and not all(run_dir.flight_record(p.rank).exists() for p in alive):
+        time.sleep(0.02)
+    markers = {p.rank: _thread_marker(run_dir, p.rank) for p in procs}
+    return diagnose_hang(procs, FileBeats(run_dir), run_dir.path, timeout, markers=markers)
+
+
+def _thread_marker(run_dir: RunDir, rank: int) -> str:
+    """The header faulthandler gives the script's main thread ("Thread 0x...", as the agent wrote it in the log)."""
+    try:
+        for line in run_dir.log(rank).read_text(errors="replace").splitlines():
+            if line.startswith("labkit watch: main thread "):
+                return line.rsplit(" ", 1)[1]
+    except FileNotFoundError:
+        pass
+    return "Current thread"
+
+
+def end_job(proc: subprocess.Popen, hard: bool = False) -> None:
+    """Stop the command and everything it started: SIGTERM to all, SIGKILL to what is left after TERM_GRACE_S;
+    `hard`: SIGKILL at once (a hung job, whose stacks and recorders are read already, has nothing left to save,
+    and torchrun would answer SIGTERM with a traceback of its own)."""
+    for sig in (signal.SIGKILL,) if hard else (signal.SIGTERM, signal.SIGKILL):
+        family = descendants(proc.pid) + ([proc.pid] if proc.poll() is None else [])
+        if not family:
+            break
+        for pid in family:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        deadline = time.monotonic() + TERM_GRACE_S
+        while time.monotonic() < deadline and (proc.poll() is None or any(_alive(p) for p in family)):
+            time.sleep(0.05)
+    proc.wait()
+
+
+def report_line(job: Job) -> str:
+    """One line for the terminal: how the job ended and where its records are."""
+    say = {"finished": "finished", "failed": f"failed (the command's exit status {job.code})",
+           "hung": "hung: labkit ended it", "killed": "a rank was killed from outside"}[job.outcome]
+    return f"labkit watch: the job {say} after {job.seconds:.1f} s; records in {job.run_dir}"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use: python -m labkit watch -- COMMAND")
