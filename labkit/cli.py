@@ -83,6 +83,8 @@ def parser() -> argparse.ArgumentParser:
                            "a hang reported", description="labkit watch [--timeout S] [--run-dir DIR] -- COMMAND...")
     watch.add_argument("--timeout", type=float, default=30.0,
                        help="seconds a rank may go without an optimizer step or a new collective (default 30)")
+    watch.add_argument("--startup-timeout", type=float, default=60.0,
+                       help="the same, before a rank's first optimizer step (imports, data, setup; default 60)")
     watch.add_argument("--run-dir", type=Path, help="the run directory (default: a new one under $LABKIT_RUNS)")
     watch.add_argument("job", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- torchrun ... train.py")
     return top
@@ -95,7 +97,7 @@ def watch_command(args: argparse.Namespace) -> int:
     from .tricks.watched import watch
     job = args.job[1:] if args.job[:1] == ["--"] else args.job
     try:
-        run = watch(job, timeout=args.timeout, run_dir=args.run_dir, echo=True)
+        run = watch(job, timeout=args.timeout, startup_timeout=args.startup_timeout, run_dir=args.run_dir, echo=True)
     except CommandNotFound as exc:
         print(f"labkit watch: {exc}", file=sys.stderr)
         return 127

@@ -127,7 +127,7 @@ def diagnose_hang(procs: list[Any], beats: Heartbeats, run_dir: Path, timeout: f
         if exit_code(proc) is not None:
             statuses.append(_exit_status(rank, proc, beats, run_dir))
             continue
-        path, where, stack = _main_thread_top(stacks.get(rank, ""), markers.get(rank, _RANK_THREAD))
+        path, where, stack = main_thread_top(stacks.get(rank, ""), markers.get(rank, _RANK_THREAD))
         caller, innermost = _caller(stack)
         if state < INITIALISING:
             statuses.append(RankStatus(rank, "hung", step, recorded,
@@ -211,7 +211,7 @@ def _dump_stacks(procs: list[Any], ranks: list[int], run_dir: Path, markers: dic
     return dumps
 
 
-def _main_thread_top(dump: str, marker: str = _RANK_THREAD) -> tuple[str, str, str]:
+def main_thread_top(dump: str, marker: str = _RANK_THREAD) -> tuple[str, str, str]:
     """(file, "file:line in function", stack text) of the innermost frame of the thread running the rank: the
     thread whose block holds `marker` (labkit's rank_main frame, or a watched script's "0x..." thread id)."""
     blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump)
@@ -259,7 +259,7 @@ def _fatal_part(log: str) -> str:
     if start < 0:
         return _tail(log, 40)
     report = log[start:]
-    _, _, stack = _main_thread_top(report)
+    _, _, stack = main_thread_top(report)
     return report.splitlines()[0] + "\n\n" + stack
 
 

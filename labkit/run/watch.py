@@ -16,6 +16,7 @@ SIGTERM then SIGKILL. Nothing is left running, whichever way the job ends.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -28,13 +29,16 @@ from typing import Any, Callable, Sequence
 from ..records import write_meta, write_outcome
 from ..rundir import RunDir, rank_of
 from ..training import agent
-from .diagnose import STACK_DUMP_WAIT_S, await_exits, classify_exits, diagnose_hang
+from .diagnose import main_thread_top, await_exits, classify_exits, diagnose_hang
 from .failure import LaunchError, RankFailure
 
 SITE_DIR = Path(agent.__file__).parent / "site"
 POLL_S = 0.1
 TERM_GRACE_S = 3.0   # after SIGTERM, how long the job's processes get before SIGKILL
 FR_WAIT_S = 2.0      # after asking for the Flight Recorders, the longest wait for the dumps
+VANISHED = ("killed from outside: it vanished without an exception, a clean exit or a fatal-signal report "
+            "(SIGKILL: the OOM killer, a scheduler, kill -9)")
+STARTUP_S = 60.0     # before its first step, the longest a rank may go without progress (imports, data, DDP setup)
 
 
 class CommandNotFound(LaunchError):
@@ -62,17 +66,34 @@ class WatchedRank:
     run_dir: RunDir
 
     def exit_code(self) -> int | None:
-        """None while it runs; 0 when its agent said done, 1 when it left an error file, else -SIGKILL (it
-        vanished without either: killed from outside, or crashed; torchrun's summary has its signal)."""
+        """None while it runs; 0 when its agent said done, 1 when it left an error file, the signal faulthandler
+        saw (an abort, a segfault) as -signal, else -SIGKILL (it vanished without a word: killed from outside)."""
         if _alive(self.pid):
             return None
         state = _read_beat(self.run_dir, self.rank)[2]
         if self.run_dir.error(self.rank).exists():
             return 1
-        return 0 if state == agent.DONE else -signal.SIGKILL
+        if state == agent.DONE:
+            return 0
+        log = _read(self.run_dir.log(self.rank))
+        for said, sig in _FATAL.items():
+            if f"Fatal Python error: {said}" in log:
+                return -sig
+        return -signal.SIGKILL
 
     def is_reaped(self) -> bool:
         return not _alive(self.pid)
+
+
+_FATAL = {"Aborted": signal.SIGABRT, "Segmentation fault": signal.SIGSEGV, "Bus error": signal.SIGBUS,
+          "Floating point exception": signal.SIGFPE}  # what faulthandler writes for each fatal signal
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
 
 
 class FileBeats:
@@ -150,12 +171,15 @@ def environment(run_dir: RunDir) -> dict[str, str]:
     return env
 
 
-def supervise(command: Sequence[str], run_dir: RunDir, timeout: float, *, output: Any = None,
-              on_poll: Callable[[], None] | None = None) -> Job:
-    """Run `command` with an agent in every rank, until it ends or hangs (see the module docstring). `output`: a
-    file for its stdout and stderr (None: this process's own); `on_poll`: called every POLL_S (a live view)."""
-    if not timeout > 0:
-        raise LaunchError(f"--timeout {timeout!r}: give the seconds a rank may go without a step or a collective, > 0")
+def supervise(command: Sequence[str], run_dir: RunDir, timeout: float, *, startup_timeout: float = STARTUP_S,
+              output: Any = None, on_poll: Callable[[], None] | None = None) -> Job:
+    """Run `command` with an agent in every rank, until it ends or hangs (see the module docstring). Before its
+    first optimizer step a rank may go max(timeout, startup_timeout) without progress (imports, data, DDP's first
+    broadcasts: seconds on a busy machine), after it `timeout`. `output`: a file for the command's stdout and
+    stderr (None: this process's own); `on_poll`: called every POLL_S (a live view)."""
+    for name, value in (("--timeout", timeout), ("--startup-timeout", startup_timeout)):
+        if not isinstance(value, (int, float)) or not value > 0:
+            raise LaunchError(f"{name} {value!r}: give the seconds a rank may go without a step or a collective, > 0")
     argv = resolve(command)
     started = time.time()
     write_meta(run_dir.path, launched_at=started, name=Path(command[0]).name, start_method="watch",
@@ -174,7 +198,7 @@ def supervise(command: Sequence[str], run_dir: RunDir, timeout: float, *, output
                     exited_at[r] = now
             beats = FileBeats(run_dir)
             hung = [r for r in ranks if r not in exited_at and beats.read(r)[2] != agent.DONE
-                    and now - beats.read(r)[0] > timeout]
+                    and now - beats.read(r)[0] > (timeout if beats.read(r)[1] >= 1 else max(timeout, startup_timeout))]
             if hung:
                 break
             if on_poll:
@@ -189,12 +213,13 @@ def supervise(command: Sequence[str], run_dir: RunDir, timeout: float, *, output
             exited_at = await_exits(procs, exited_at)
             failed = sorted((r for r in exited_at if procs[r].exit_code() not in (0, None)), key=exited_at.get)
             if failed:
-                failure = classify_exits(procs, FileBeats(run_dir), run_dir.path, failed, exited_at)
+                failure = _explain(classify_exits(procs, FileBeats(run_dir), run_dir.path, failed, exited_at),
+                                   run_dir)
     finally:
         end_job(proc, hard=bool(hung))
     code = proc.returncode if proc.returncode is not None else -signal.SIGKILL
     outcome = "hung" if hung else "finished" if code == 0 else \
-        "killed" if failure is not None and failure.reason == "signal" else "failed"
+        "killed" if failure is not None and failure.detail.startswith(VANISHED) else "failed"
     write_outcome(run_dir.path, None if outcome == "finished" else str(failure or f"exit status {code}"))
     write_meta(run_dir.path, **{**_meta(run_dir), "world_size": len(ranks), "exit_code": code})
     return Job(run_dir.path, code, outcome, failure, sorted(ranks), time.time() - started)
@@ -230,6 +255,27 @@ def _diagnose_hang(procs: list[WatchedRank], run_dir: RunDir, timeout: float) ->
         time.sleep(0.02)
     markers = {p.rank: _thread_marker(run_dir, p.rank) for p in procs}
     return diagnose_hang(procs, FileBeats(run_dir), run_dir.path, timeout, markers=markers)
+
+
+def _explain(failure: RankFailure, run_dir: RunDir) -> RankFailure:
+    """A watched rank that died by a signal: its stack from faulthandler's fatal report (the script's main thread),
+    what the C++ runtime said (the job's output: "what(): ..." when one line says it), and for a rank that simply
+    vanished, that it was killed from outside."""
+    said = re.findall(r"what\(\):\s*(.+)", _read(run_dir.job_output))
+    for status in failure.statuses:
+        if status.state != "signal":
+            continue
+        log = _read(run_dir.log(status.rank))
+        start = log.rfind("Fatal Python error")
+        if start < 0:
+            status.detail = VANISHED
+            continue
+        _, where, stack = main_thread_top(log[start:], _thread_marker(run_dir, status.rank))
+        status.traceback = log[start:].splitlines()[0] + "\n\n" + stack.split("\nExtension modules:")[0].rstrip()
+        status.detail = status.detail.split(":")[0] + (f" in {where}" if where else "") + \
+            (f"; the runtime said: {said[0].strip()}" if len(said) == 1 else "")
+    cause = next(s for s in failure.statuses if s.rank == failure.rank)
+    return RankFailure(cause, failure.statuses, failure.run_dir)
 
 
 def _thread_marker(run_dir: RunDir, rank: int) -> str:

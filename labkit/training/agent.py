@@ -16,7 +16,8 @@ What it writes into the run directory ($LABKIT_WATCH_DIR), per rank, in the form
                     time_created_ns] from the Flight Recorder; same-host clocks make them comparable across ranks)
     rank<r>.beat    four float64s rewritten in place: last progress (unix time), step, state, newest collective seq
     rank<r>.pid     this process, so the watcher can ask it for its stacks
-    rank<r>.log     faulthandler's stack dumps on SIGUSR1 (the watcher's hang report reads them)
+    rank<r>.log     faulthandler's stack dumps on SIGUSR1 (the watcher's hang report reads them), and on a fatal
+                    signal (gloo's abort on mismatched sizes, a segfault): where the rank died
     rank<r>.error.json   an exception that ended the script (what torchelastic's @record writes, without it)
     rank<r>.fr.json the Flight Recorder with frames, dumped by this agent's thread when the watcher asks (watch.ask)
 
@@ -108,6 +109,7 @@ class Agent:
         self._log = open(self.run_dir.log(rank), "a", buffering=1)
         self._log.write(MAIN_THREAD_LINE.format(threading.main_thread().ident) + "\n")
         faulthandler.register(signal.SIGUSR1, file=self._log, all_threads=True, chain=False)
+        faulthandler.enable(file=self._log, all_threads=True)  # an abort or a segfault leaves its stack here too
         self._beat_file = self._open_beat()
         self.run_dir.pidfile(rank).write_text(str(os.getpid()))  # last: the watcher now expects progress
         self._original_backward = torch.autograd.backward

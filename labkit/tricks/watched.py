@@ -41,7 +41,7 @@ import pandas as pd
 from ..records import Run
 from ..rundir import RunDir, runs_root
 from ..run.failure import RankFailure
-from ..run.watch import Job, report_line, supervise
+from ..run.watch import STARTUP_S, Job, report_line, supervise
 from .debugtools import first_divergence, flight_records
 
 STRAGGLER_SHARE = 0.5   # a rank is a straggler when its median lag exceeds this share of its median step time...
@@ -109,17 +109,20 @@ class WatchReport:
         return "\n".join(lines)
 
 
-def watch(command: Sequence[str], *, timeout: float = 30.0, run_dir: str | Path | None = None,
-          echo: bool = True) -> Run:
+def watch(command: Sequence[str], *, timeout: float = 30.0, startup_timeout: float = STARTUP_S,
+          run_dir: str | Path | None = None, echo: bool = True) -> Run:
     """Run `command` (a torchrun line, a script) with an agent in every rank; print the report; return the Run:
-    labkit.watch(["torchrun", "--nproc-per-node", "2", "train.py"], timeout=10). The job's output goes to
-    job.log in the run directory (and is echoed when `echo`); `labkit.watch_report(run)` reads the report back."""
+    labkit.watch(["torchrun", "--nproc-per-node", "2", "train.py"], timeout=10). timeout: seconds a rank may go
+    without an optimizer step or a new collective; startup_timeout: the same before its first step. The job's
+    output goes to the run directory (RunDir.job_output) and is echoed when `echo`; `labkit.watch_report(run)`
+    reads the report back. A command that is not there, a run directory in use, a bad timeout: LaunchError."""
     command = [str(part) for part in command]
     target = RunDir.claim(run_dir) if run_dir else RunDir.new(runs_root(), "watch-" + Path(command[0]).name
                                                               if command else "watch")
     with open(target.job_output, "wb") as out:
         echoer = _Echo(target.job_output) if echo else None
-        job = supervise(command, target, timeout, output=out, on_poll=echoer.poll if echoer else None)
+        job = supervise(command, target, timeout, startup_timeout=startup_timeout, output=out,
+                        on_poll=echoer.poll if echoer else None)
         if echoer:
             echoer.poll()
     report = conclude(job)
