@@ -167,8 +167,14 @@ def environment(run_dir: RunDir) -> dict[str, str]:
     paths = [str(SITE_DIR), str(SITE_DIR.parents[2])]  # the agent, and labkit itself for a python that lacks it
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env[agent.DIR_ENV] = str(run_dir.path.resolve())
-    env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+def check_timeouts(timeout: float, startup_timeout: float) -> None:
+    """LaunchError (one line) unless both are seconds > 0."""
+    for name, value in (("--timeout", timeout), ("--startup-timeout", startup_timeout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise LaunchError(f"{name} {value!r}: give the seconds a rank may go without a step or a collective, > 0")
 
 
 def supervise(command: Sequence[str], run_dir: RunDir, timeout: float, *, startup_timeout: float = STARTUP_S,
@@ -177,9 +183,7 @@ def supervise(command: Sequence[str], run_dir: RunDir, timeout: float, *, startu
     first optimizer step a rank may go max(timeout, startup_timeout) without progress (imports, data, DDP's first
     broadcasts: seconds on a busy machine), after it `timeout`. `output`: a file for the command's stdout and
     stderr (None: this process's own); `on_poll`: called every POLL_S (a live view)."""
-    for name, value in (("--timeout", timeout), ("--startup-timeout", startup_timeout)):
-        if not isinstance(value, (int, float)) or not value > 0:
-            raise LaunchError(f"{name} {value!r}: give the seconds a rank may go without a step or a collective, > 0")
+    check_timeouts(timeout, startup_timeout)
     argv = resolve(command)
     started = time.time()
     write_meta(run_dir.path, launched_at=started, name=Path(command[0]).name, start_method="watch",

@@ -41,7 +41,7 @@ import pandas as pd
 from ..records import Run
 from ..rundir import RunDir, runs_root
 from ..run.failure import RankFailure
-from ..run.watch import STARTUP_S, Job, report_line, supervise
+from ..run.watch import STARTUP_S, Job, check_timeouts, report_line, resolve, supervise
 from .debugtools import first_divergence, flight_records
 
 STRAGGLER_SHARE = 0.5   # a rank is a straggler when its median lag exceeds this share of its median step time...
@@ -67,6 +67,8 @@ class NonFinite:
     step: int
     what: str                                  # "loss", "grad_norm" or "loss and grad_norm"
     at_step: dict[int, dict[str, float]]       # rank -> {"loss": ..., "grad_norm": ...} at that step
+    sure: bool = True  # False: every rank's gradients went bad together and no rank's loss did (DDP averaged them
+                       # inside backward, so the records cannot tell whose backward made them; `rank` is the lowest)
 
 
 @dataclass
@@ -94,7 +96,10 @@ class WatchReport:
                 lines.append(f"  rank {rank}: " + (f"waits in collective #{place.seq} {place.op} {place.sizes}, "
                                                    f"issued at {place.line}" if place else
                                                    "waits in no collective") + mark)
-        if self.nonfinite:
+        if self.nonfinite and not self.nonfinite.sure:
+            lines.append(f"non-finite: every rank's gradients at step {self.nonfinite.step}, and no rank's loss: DDP "
+                         "averages gradients inside backward, so the records cannot tell whose backward made them")
+        elif self.nonfinite:
             n = self.nonfinite
             others = "; ".join(f"rank {r}: loss {v['loss']:.4g}, grad norm {v['grad_norm']:.4g}"
                                for r, v in sorted(n.at_step.items()) if r != n.rank)
@@ -117,6 +122,8 @@ def watch(command: Sequence[str], *, timeout: float = 30.0, startup_timeout: flo
     output goes to the run directory (RunDir.job_output) and is echoed when `echo`; `labkit.watch_report(run)`
     reads the report back. A command that is not there, a run directory in use, a bad timeout: LaunchError."""
     command = [str(part) for part in command]
+    resolve(command)  # a command that is not there is refused before a run directory is made for it
+    check_timeouts(timeout, startup_timeout)
     target = RunDir.claim(run_dir) if run_dir else RunDir.new(runs_root(), "watch-" + Path(command[0]).name
                                                               if command else "watch")
     with open(target.job_output, "wb") as out:
@@ -225,9 +232,11 @@ def first_nonfinite(records: pd.DataFrame) -> NonFinite | None:
     what = " and ".join(c for c, flags in parts.items() if flags.loc[first.name])
     step = int(first["step"])
     at = records[records["step"] == step]
+    sure = "loss" in what or int(bad[at.index].sum()) < len(at)
     return NonFinite(int(first["rank"]), step, what,
                      {int(r["rank"]): {"loss": float(r.get("loss", math.nan)),
-                                       "grad_norm": float(r.get("grad_norm", math.nan))} for _, r in at.iterrows()})
+                                       "grad_norm": float(r.get("grad_norm", math.nan))} for _, r in at.iterrows()},
+                     sure)
 
 
 def _not_finite(records: pd.DataFrame, column: str, flag: str) -> pd.Series:
