@@ -121,6 +121,8 @@ class Agent:
         self._thread = threading.Thread(target=self._watch, name="labkit-watch-agent", daemon=True)
         self._thread.start()
         self.beat()
+        if flight.problem():  # a torch whose Flight Recorder moved: records and stacks still work, collectives not
+            print(f"labkit watch: rank {rank}: no collectives recorded: {flight.problem()}", file=sys.stderr)
 
     def note(self, **fields: Any) -> None:
         """Fields for this rank's next record (a framework's callback: Lightning's raw training_step loss)."""

@@ -134,6 +134,10 @@ def watch(command: Sequence[str], *, timeout: float = 30.0, startup_timeout: flo
             echoer.poll()
     report = conclude(job)
     print(report_line(job))
+    if not job.ranks:
+        print("labkit watch: no rank was recorded: no process of the command had $RANK set (torchrun sets it; a "
+              "framework that launches its own ranks needs its labkit callback) with labkit's sitecustomize loaded "
+              "(is PYTHONPATH overwritten by the command?)")
     text = str(report)
     if text:
         print(text)
