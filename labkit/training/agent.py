@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import functools
 import math
 import mmap
 import os
@@ -42,7 +43,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -87,6 +88,23 @@ def start(rank: int | None = None, run_dir: str | Path | None = None) -> "Agent 
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name, "")
     return int(value) if value.strip().isdigit() else None
+
+
+def _never_raises(hook: Callable[..., None]) -> Callable[..., None]:
+    """A hook of the agent's that fails (a gradient type it cannot read, a full disk) says so once on stderr and
+    lets the job go on: watching must never change what the script does."""
+    said: list[bool] = []
+
+    @functools.wraps(hook)
+    def guarded(*args: Any, **kwargs: Any) -> None:
+        try:
+            hook(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - any failure of ours stays ours
+            if not said:
+                said.append(True)
+                print(f"labkit watch: {hook.__name__} failed, records may miss fields: {type(exc).__name__}: {exc}",
+                      file=sys.stderr)
+    return guarded
 
 
 class Agent:
@@ -146,6 +164,7 @@ class Agent:
             self._last_backward_end = time.perf_counter()
             self._t_backward += self._last_backward_end - t0
 
+    @_never_raises
     @torch.no_grad()
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         grads = [getattr(p.grad, "_local_tensor", p.grad) for group in optimizer.param_groups
@@ -155,6 +174,7 @@ class Agent:
         lr = optimizer.param_groups[0].get("lr", float("nan")) if optimizer.param_groups else float("nan")
         self._pre = {"grad_norm": float(norm), "lr": float(lr)}
 
+    @_never_raises
     @torch.no_grad()
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         now = time.perf_counter()
