@@ -153,21 +153,27 @@ def test_a_rank_killed_from_outside_is_reported_and_the_job_ended(tmp_path):
     assert "rank 1 was killed by a signal" in out and "killed from outside" in out
 
 
-def test_bad_input_is_one_line_each_with_its_exit_status(tmp_path):
-    missing = watch(tmp_path / "a", "no-such-program-here", "x")
-    assert missing.returncode == 127 and missing.stderr.strip().splitlines() == [
+def test_bad_input_is_one_line_each_with_its_exit_status(tmp_path, capsys):
+    from labkit.cli import main
+
+    def cli(run_dir, *job, timeout=TIMEOUT):
+        code = main(["watch", "--timeout", str(timeout), "--run-dir", str(run_dir), "--", *job])
+        return code, capsys.readouterr()
+    code, said = cli(tmp_path / "a", "no-such-program-here", "x")
+    assert code == 127 and said.err.strip().splitlines() == [
         "labkit watch: no-such-program-here: command not found on PATH"]
-    fails = watch(tmp_path / "b", sys.executable, "-c", "import sys; sys.exit(5)")
-    assert fails.returncode == 1 and "the command's exit status 5" in fails.stdout
+    assert not (tmp_path / "a").exists()             # refused before a run directory was made for it
+    code, said = cli(tmp_path / "b", sys.executable, "-c", "import sys; sys.exit(5)")
+    assert code == 1 and "the command's exit status 5" in said.out
+    assert "no rank was recorded" in said.out         # a plain python: no $RANK, so nothing to watch
     held = RunDir.claim(tmp_path / "held")
     held.records(0).write_text('{"step": 0, "loss": 1.0}\n')   # another run's records
-    again = watch(held.path, sys.executable, "-c", "pass")
-    assert again.returncode == 2 and "already holds the records of a run" in again.stderr
-    assert len(again.stderr.strip().splitlines()) == 1
-    bad = watch(tmp_path / "c", sys.executable, "-c", "pass", timeout=0)
-    assert bad.returncode == 2 and "--timeout 0" in bad.stderr
-    nothing = subprocess.run([sys.executable, "-m", "labkit", "watch"], capture_output=True, text=True, cwd=ROOT)
-    assert nothing.returncode == 2 and "nothing to watch" in nothing.stderr
+    code, said = cli(held.path, sys.executable, "-c", "pass")
+    assert code == 2 and "already holds the records of a run" in said.err
+    assert len(said.err.strip().splitlines()) == 1
+    code, said = cli(tmp_path / "c", sys.executable, "-c", "pass", timeout=0)
+    assert code == 2 and "--timeout 0" in said.err
+    assert main(["watch"]) == 2 and "nothing to watch" in capsys.readouterr().err
 
 
 def test_without_torchrun_on_path_or_beside_python_the_error_says_where_torchrun_comes_from(monkeypatch):
