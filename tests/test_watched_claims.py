@@ -36,11 +36,12 @@ def test_line_of_names_the_file_and_line_of_the_first_match():
 
 
 def test_printed_losses_parse_every_digit_and_skip_other_lines(tmp_path):
-    out = "W torchrun says hello\nrank 1 step 0 loss 0.5748004317283630\nrank 0 step 0 loss nan\nnoise\n"
-    run = fake_run(tmp_path / "r", {0: [math.nan], 1: [0.574800431728363]}, printed=out)
+    out = ("W torchrun says hello\nrank 1 step 0 loss 0.5748004317283630\nrank 0 step 0 loss nan\nnoise\n"
+           "rank 0 step 1 loss 1.5e-05rank 1 step 1 loss 0.25\n\n")      # two ranks' lines interleaved
+    run = fake_run(tmp_path / "r", {0: [math.nan, 1.5e-05], 1: [0.574800431728363, 0.25]}, printed=out)
     printed = wc.printed_losses(run)
-    assert printed[["rank", "step"]].values.tolist() == [[0, 0], [1, 0]]
-    assert math.isnan(printed["loss"][0]) and printed["loss"][1] == 0.574800431728363
+    assert printed[["rank", "step"]].values.tolist() == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    assert math.isnan(printed["loss"][0]) and printed["loss"][2] == 0.574800431728363 and printed["loss"][1] == 1.5e-05
     gap, same = wc.loss_gap(printed, run)
     assert same and gap == 0.0                    # a NaN against a NaN counts as equal
 

@@ -22,7 +22,9 @@ import pandas as pd
 from ..records import Run, read_meta
 from ..rundir import RunDir
 
-PRINTED = re.compile(r"^rank (\d+) step (\d+) loss (\S+)$", re.M)
+# Not anchored to whole lines: under PYTHONUNBUFFERED, print writes its text and its newline apart, so two ranks'
+# lines can share one line of the job's output ("rank 0 step 5 loss 0.43rank 1 step 5 loss 0.49").
+PRINTED = re.compile(r"rank (\d+) step (\d+) loss (nan|-?inf|[-+]?[0-9.]+(?:e[-+]?[0-9]+)?)")
 
 
 def line_of(module: Any, text: str) -> str:
