@@ -7,7 +7,7 @@
     rank0-collective   a barrier under `if rank == 0`, after rank 0 saves a checkpoint (the others never join it)
     skip-batch         rank 1 skips a "bad" batch with `continue` (one optimizer step fewer: a hang at the end)
     slow-rank          rank 1 sleeps before each step (a straggler: everyone waits for it)
-    nan-rank           rank 1 reads a sample holding NaN at step 3 (its loss goes NaN; DDP spreads the gradients)
+    nan-rank           rank 1 reads a sample holding a NaN at step 3 (its loss goes NaN; DDP spreads the gradients)
 Each rank prints one line per step: "rank R step S loss L" (L with every digit, to compare with the records).
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ def train(rank: int, steps: int, bug: str = "none", lr: float = 0.05, log=print,
         if bug == "slow-rank" and rank == 1:
             time.sleep(slow_s)                            # a slow disk, a busy neighbour, a thermal throttle
         if bug == "nan-rank" and rank == 1 and step == 3:
-            x[0, 0] = float("nan")                        # one bad sample (an inf would not do: tanh squashes it)
+            x[0, 0] = float("nan")                        # one bad sample: a NaN in the inputs
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         optimizer.step()

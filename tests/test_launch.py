@@ -192,3 +192,20 @@ def test_ranks_stuck_after_their_work_are_reported_not_waited_for(monkeypatch, r
     assert time.monotonic() - started < 2 + 5
     assert all(s.state in ("waiting", "hung") for s in info.value.statuses)
     assert "finished" in str(info.value)
+
+
+def test_the_training_loop_gets_the_startup_timeout_until_its_first_step_and_a_function_does_not():
+    """A rank forked from the warm process is RUNNING before the loop has built its task (imports, data): until the
+    loop's first step it is still setting up, and only the startup timeout applies to it."""
+    import multiprocessing
+    import time
+    from labkit.run.launch import _is_stale
+    from labkit.run.rank import RUNNING, Heartbeats
+    beats = Heartbeats.create(multiprocessing.get_context("fork"), 1)
+    beats.beat(0, state=RUNNING)
+    beats.array[0] = time.time() - 10          # ten seconds since the last beat, still at step -1
+    assert not _is_stale(beats, 0, timeout=3, startup_timeout=60, loop=True)
+    assert _is_stale(beats, 0, timeout=3, startup_timeout=60, loop=False)    # fn(ctx): its own business
+    beats.beat(0, step=0)
+    beats.array[0] = time.time() - 10
+    assert _is_stale(beats, 0, timeout=3, startup_timeout=60, loop=True)     # stepping: the timeout applies

@@ -337,7 +337,8 @@ def _watch(procs: list[Any], beats: Heartbeats, plan: LaunchPlan, view: Any) -> 
         if all(c == 0 for c in codes):
             return None
         alive = [r for r, c in enumerate(codes) if c is None]
-        stale = [r for r in alive if _is_stale(beats, r, plan.timeout, plan.startup_timeout)]
+        stale = [r for r in alive if _is_stale(beats, r, plan.timeout, plan.startup_timeout,
+                                               loop=plan.config is not None and plan.fn is train)]
         if not stale and _all_stuck_finishing(beats, alive, plan.timeout):
             stale = alive
         if stale:
@@ -349,11 +350,15 @@ def _watch(procs: list[Any], beats: Heartbeats, plan: LaunchPlan, view: Any) -> 
         time.sleep(POLL_S)
 
 
-def _is_stale(beats: Heartbeats, rank: int, timeout: float, startup_timeout: float) -> bool:
-    beat, _, state, _ = beats.read(rank)
+def _is_stale(beats: Heartbeats, rank: int, timeout: float, startup_timeout: float, loop: bool = False) -> bool:
+    """Whether a rank has gone too long without a beat. Starting (importing, joining the group) it has
+    startup_timeout; so has labkit's training loop (`loop`) until its first step, since building the task (imports,
+    data) happens inside the launched function: a rank forked from the warm process reaches RUNNING before that."""
+    beat, step, state, _ = beats.read(rank)
     if state in (FINISHING, DONE):
         return False  # finished its work; waiting for the others is not its fault
-    return time.time() - beat > (timeout if state >= RUNNING else startup_timeout)
+    setting_up = state < RUNNING or (loop and step < 0)
+    return time.time() - beat > (startup_timeout if setting_up else timeout)
 
 
 def _all_stuck_finishing(beats: Heartbeats, alive: list[int], timeout: float) -> bool:

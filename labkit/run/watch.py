@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -103,16 +104,20 @@ class FileBeats:
         self.run_dir = run_dir
 
     def read(self, rank: int) -> tuple[float, int, float, int]:
-        beat, step, state, _ = _read_beat(self.run_dir, rank)
+        beat, step, state, _, _ = _read_beat(self.run_dir, rank)
         return beat, int(step), state, int(step) - 1
 
+    def world_size(self) -> int:
+        """The job's world size as the ranks' agents saw it ($WORLD_SIZE), 0 before any has started."""
+        return max((int(_read_beat(self.run_dir, rank_of(p))[4]) for p in self.run_dir.beats()), default=0)
 
-def _read_beat(run_dir: RunDir, rank: int) -> tuple[float, float, float, float]:
+
+def _read_beat(run_dir: RunDir, rank: int) -> tuple[float, float, float, float, float]:
     try:
         data = run_dir.beat(rank).read_bytes()
         return agent.BEAT.unpack(data[:agent.BEAT.size])
-    except (FileNotFoundError, Exception):  # not written yet, or cut short: nothing to say
-        return time.time(), 0.0, 0.0, -1.0
+    except (OSError, ValueError, struct.error):  # not written yet, or cut short: nothing to say
+        return time.time(), 0.0, 0.0, -1.0, 0.0
 
 
 def _alive(pid: int) -> bool:
@@ -164,11 +169,18 @@ def environment(run_dir: RunDir) -> dict[str, str]:
     """The job's environment: labkit's sitecustomize first on PYTHONPATH, the run directory for the agents."""
     env = dict(os.environ)
     env.pop(agent.OWNER_ENV, None)
-    paths = [str(SITE_DIR), str(SITE_DIR.parents[2])]  # the agent, and labkit itself for a python that lacks it
-    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    # Only the folder holding sitecustomize: the job's Python finds labkit where it is installed (a Python without
+    # it says so in one line per rank, and the job runs unwatched).
+    env["PYTHONPATH"] = os.pathsep.join([str(SITE_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env[agent.DIR_ENV] = str(run_dir.path.resolve())
-    env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+def check_timeouts(timeout: float, startup_timeout: float) -> None:
+    """LaunchError (one line) unless both are seconds > 0."""
+    for name, value in (("--timeout", timeout), ("--startup-timeout", startup_timeout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise LaunchError(f"{name} {value!r}: give the seconds a rank may go without a step or a collective, > 0")
 
 
 def supervise(command: Sequence[str], run_dir: RunDir, timeout: float, *, startup_timeout: float = STARTUP_S,
@@ -177,9 +189,7 @@ def supervise(command: Sequence[str], run_dir: RunDir, timeout: float, *, startu
     first optimizer step a rank may go max(timeout, startup_timeout) without progress (imports, data, DDP's first
     broadcasts: seconds on a busy machine), after it `timeout`. `output`: a file for the command's stdout and
     stderr (None: this process's own); `on_poll`: called every POLL_S (a live view)."""
-    for name, value in (("--timeout", timeout), ("--startup-timeout", startup_timeout)):
-        if not isinstance(value, (int, float)) or not value > 0:
-            raise LaunchError(f"{name} {value!r}: give the seconds a rank may go without a step or a collective, > 0")
+    check_timeouts(timeout, startup_timeout)
     argv = resolve(command)
     started = time.time()
     write_meta(run_dir.path, launched_at=started, name=Path(command[0]).name, start_method="watch",

@@ -14,7 +14,8 @@ What it writes into the run directory ($LABKIT_WATCH_DIR), per rank, in the form
                     gradient all-reduce inside it), t_backward, backward_calls, rss_mb, collectives and arrivals
                     (each collective the rank issued since the last step in the default group: [seq, op,
                     time_created_ns] from the Flight Recorder; same-host clocks make them comparable across ranks)
-    rank<r>.beat    four float64s rewritten in place: last progress (unix time), step, state, newest collective seq
+    rank<r>.beat    five float64s rewritten in place: last progress (unix time), step, state, newest collective seq,
+                    world size
     rank<r>.pid     this process, so the watcher can ask it for its stacks
     rank<r>.log     faulthandler's stack dumps on SIGUSR1 (the watcher's hang report reads them), and on a fatal
                     signal (gloo's abort on mismatched sizes, a segfault): where the rank died
@@ -52,7 +53,7 @@ from . import flight
 DIR_ENV = "LABKIT_WATCH_DIR"         # the run directory; set by `labkit watch`
 OWNER_ENV = "LABKIT_WATCH_AGENT"     # the pid holding this rank's agent: a DataLoader worker or a child inherits it
 POLL_S = 0.2                         # how often the agent's thread reads the Flight Recorder and the watcher's request
-BEAT = struct.Struct("<4d")          # last progress (unix time), step, state, newest collective seq
+BEAT = struct.Struct("<5d")          # last progress (unix time), step, state, newest collective seq, world size
 RUNNING, DONE = 1.0, 3.0             # the states a beat file holds
 MAIN_THREAD_LINE = "labkit watch: main thread 0x{:016x}"  # written to rank<r>.log: which stack in a dump is the script's
 
@@ -121,6 +122,8 @@ class Agent:
         self._thread = threading.Thread(target=self._watch, name="labkit-watch-agent", daemon=True)
         self._thread.start()
         self.beat()
+        if flight.problem():  # a torch whose Flight Recorder moved: records and stacks still work, collectives not
+            print(f"labkit watch: rank {rank}: no collectives recorded: {flight.problem()}", file=sys.stderr)
 
     def note(self, **fields: Any) -> None:
         """Fields for this rank's next record (a framework's callback: Lightning's raw training_step loss)."""
@@ -194,7 +197,7 @@ class Agent:
     def _open_beat(self) -> mmap.mmap:
         path = self.run_dir.beat(self.rank)
         with open(path, "wb") as f:
-            f.write(BEAT.pack(time.time(), 0, RUNNING, -1))
+            f.write(BEAT.pack(time.time(), 0, RUNNING, -1, self.world_size))
         fd = os.open(path, os.O_RDWR)
         try:
             return mmap.mmap(fd, BEAT.size)
@@ -203,7 +206,7 @@ class Agent:
 
     def beat(self, state: float = RUNNING) -> None:
         """Progress now: a step or a new collective (the watcher's clock for this rank starts again)."""
-        self._beat_file[:] = BEAT.pack(time.time(), self.step, state, self.seq)
+        self._beat_file[:] = BEAT.pack(time.time(), self.step, state, self.seq, self.world_size)
 
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):

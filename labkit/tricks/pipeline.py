@@ -44,7 +44,7 @@ from ..view import COLORS, new_figure, shown
 
 __all__ = ["Sweep", "lesson_config", "run_pipeline", "pinned_train", "bubble", "bubbles", "summary", "formula", "held",
            "messages", "timeline", "gpipe_bubble", "interleaved_bubble", "bubble_table", "their_models",
-           "parameter_copies", "message_waits", "placement", "messages_as_placed", "parameter_shares",
+           "message_waits", "placement", "messages_as_placed", "parameter_shares",
            "messages_wait_little", "bubbles_follow_the_formula", "ramp_follows_the_interleaved_formula",
            "interleaving_idles_more_between_actions", "BubbleBelow1F1B", "TOLERANCE"]
 
@@ -181,15 +181,6 @@ def their_models(ranks: int, microbatches: int) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["method", "model: bubble (their terms)", f"model: idle/step at p={p} m={m}",
                                        "model: activations", "model: parameters per device (vs 1F1B's)",
                                        "model: pipeline messages", "source"]).set_index("method")
-
-
-def parameter_copies(run: Run) -> float:
-    """How many copies of the model's parameters the run's ranks held together: the sum of their param_bytes (as
-    recorded) over the whole model's (1.0: each parameter on one rank; a tied embedding held at both ends adds a
-    little):  parameter_copies(dualpipev_run) -> 1.0."""
-    first = run.df[run.df.step == run.df.step.min()]
-    model = make_task(run.config, 1).build_model()
-    return float(first.param_bytes.sum() / sum(p.numel() * p.element_size() for p in model.parameters()))
 
 
 def parameter_shares(run: Run) -> tuple[dict[int, float], float]:

@@ -41,7 +41,7 @@ import pandas as pd
 from ..records import Run
 from ..rundir import RunDir, runs_root
 from ..run.failure import RankFailure
-from ..run.watch import STARTUP_S, Job, report_line, supervise
+from ..run.watch import STARTUP_S, FileBeats, Job, check_timeouts, report_line, resolve, supervise
 from .debugtools import first_divergence, flight_records
 
 STRAGGLER_SHARE = 0.5   # a rank is a straggler when its median lag exceeds this share of its median step time...
@@ -67,6 +67,8 @@ class NonFinite:
     step: int
     what: str                                  # "loss", "grad_norm" or "loss and grad_norm"
     at_step: dict[int, dict[str, float]]       # rank -> {"loss": ..., "grad_norm": ...} at that step
+    sure: bool = True  # False: every rank's gradients went bad together and no rank's loss did (DDP averaged them
+                       # inside backward, so the records cannot tell whose backward made them; `rank` is the lowest)
 
 
 @dataclass
@@ -94,7 +96,10 @@ class WatchReport:
                 lines.append(f"  rank {rank}: " + (f"waits in collective #{place.seq} {place.op} {place.sizes}, "
                                                    f"issued at {place.line}" if place else
                                                    "waits in no collective") + mark)
-        if self.nonfinite:
+        if self.nonfinite and not self.nonfinite.sure:
+            lines.append(f"non-finite: every rank's gradients at step {self.nonfinite.step}, and no rank's loss: DDP "
+                         "averages gradients inside backward, so the records cannot tell whose backward made them")
+        elif self.nonfinite:
             n = self.nonfinite
             others = "; ".join(f"rank {r}: loss {v['loss']:.4g}, grad norm {v['grad_norm']:.4g}"
                                for r, v in sorted(n.at_step.items()) if r != n.rank)
@@ -110,23 +115,28 @@ class WatchReport:
 
 
 def watch(command: Sequence[str], *, timeout: float = 30.0, startup_timeout: float = STARTUP_S,
-          run_dir: str | Path | None = None, echo: bool = True) -> Run:
+          run_dir: str | Path | None = None, echo: bool = True, progress: bool = True, live: bool = False) -> Run:
     """Run `command` (a torchrun line, a script) with an agent in every rank; print the report; return the Run:
     labkit.watch(["torchrun", "--nproc-per-node", "2", "train.py"], timeout=10). timeout: seconds a rank may go
     without an optimizer step or a new collective; startup_timeout: the same before its first step. The job's
     output goes to the run directory (RunDir.job_output) and is echoed when `echo`; `labkit.watch_report(run)`
-    reads the report back. A command that is not there, a run directory in use, a bad timeout: LaunchError."""
+    reads the report back. progress / live: launch's progress bar and live figure (in Jupyter). A command that is
+    not there, a run directory in use, a bad timeout: LaunchError."""
     command = [str(part) for part in command]
+    resolve(command)  # a command that is not there is refused before a run directory is made for it
+    check_timeouts(timeout, startup_timeout)
     target = RunDir.claim(run_dir) if run_dir else RunDir.new(runs_root(), "watch-" + Path(command[0]).name
                                                               if command else "watch")
+    view = _View(target, echo=echo, progress=progress, live=live)
     with open(target.job_output, "wb") as out:
-        echoer = _Echo(target.job_output) if echo else None
-        job = supervise(command, target, timeout, startup_timeout=startup_timeout, output=out,
-                        on_poll=echoer.poll if echoer else None)
-        if echoer:
-            echoer.poll()
+        job = supervise(command, target, timeout, startup_timeout=startup_timeout, output=out, on_poll=view.poll)
+    view.close(job.outcome == "finished")
     report = conclude(job)
     print(report_line(job))
+    if not job.ranks:
+        print("labkit watch: no rank was recorded: no process of the command had $RANK set (torchrun sets it; a "
+              "framework that launches its own ranks needs its labkit callback) with labkit's sitecustomize loaded "
+              "(is PYTHONPATH overwritten by the command?)")
     text = str(report)
     if text:
         print(text)
@@ -225,9 +235,11 @@ def first_nonfinite(records: pd.DataFrame) -> NonFinite | None:
     what = " and ".join(c for c, flags in parts.items() if flags.loc[first.name])
     step = int(first["step"])
     at = records[records["step"] == step]
+    sure = "loss" in what or int(bad[at.index].sum()) < len(at)
     return NonFinite(int(first["rank"]), step, what,
                      {int(r["rank"]): {"loss": float(r.get("loss", math.nan)),
-                                       "grad_norm": float(r.get("grad_norm", math.nan))} for _, r in at.iterrows()})
+                                       "grad_norm": float(r.get("grad_norm", math.nan))} for _, r in at.iterrows()},
+                     sure)
 
 
 def _not_finite(records: pd.DataFrame, column: str, flag: str) -> pd.Series:
@@ -265,15 +277,36 @@ def stragglers(lags: pd.DataFrame, records: pd.DataFrame, after: int = 1) -> lis
     return sorted(found, key=lambda r: -median[r])
 
 
-class _Echo:
-    """Prints what the watched command wrote to job.log since the last look."""
+class _View:
+    """While the job runs: its output echoed (what it wrote since the last look), and once the ranks' agents say
+    how many ranks there are, launch's progress bar and (`live`) live figure over their records."""
 
-    def __init__(self, path: Path):
-        self.path, self.at = path, 0
+    def __init__(self, run_dir: RunDir, *, echo: bool, progress: bool, live: bool):
+        self.run_dir, self.echo, self.progress, self.live = run_dir, echo, progress, live
+        self.at, self.view = 0, None
+        self.beats = FileBeats(run_dir)
 
     def poll(self) -> None:
+        if self.echo:
+            self._echo()
+        if self.view is None and (self.progress or self.live) and self.beats.world_size():
+            from ..view.live import LiveView
+            self.view = LiveView(self.run_dir.path, self.beats.world_size(), None, echo=False,
+                                 progress=self.progress, live=self.live)
+        if self.view is not None:
+            self.view.update(self._recorded())
+
+    def _recorded(self) -> list[int]:
+        return [self.beats.read(r)[3] for r in range(self.view.world_size)]
+
+    def close(self, ok: bool) -> None:
+        self.poll()
+        if self.view is not None:
+            self.view.close(ok, self._recorded())
+
+    def _echo(self) -> None:
         try:
-            with open(self.path, "rb") as f:
+            with open(self.run_dir.job_output, "rb") as f:
                 f.seek(self.at)
                 data = f.read()
         except FileNotFoundError:

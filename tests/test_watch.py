@@ -1,0 +1,226 @@
+"""`labkit watch` on real torchrun jobs (gloo, 2 ranks): records, the four bugs of examples/plain_ddp.py, bad input.
+
+Each job is the user's script unchanged (examples/plain_ddp.py); the agent reaches its ranks through labkit's
+sitecustomize. Every test also checks that nothing of the job is left running.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import labkit
+from labkit.rundir import RunDir
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "examples" / "plain_ddp.py"
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+TIMEOUT = 3.0
+
+
+def torchrun(*args: str) -> list[str]:
+    return [TORCHRUN, "--nproc-per-node", "2", str(SCRIPT), *args]
+
+
+def watch(run_dir: Path, *job: str, timeout: float = TIMEOUT, wait_s: float = 120) -> subprocess.CompletedProcess:
+    """python -m labkit watch, as a user types it; returns the finished process (stdout and stderr as text)."""
+    command = [sys.executable, "-m", "labkit", "watch", "--timeout", str(timeout), "--run-dir", str(run_dir), "--",
+               *job]
+    return subprocess.run(command, capture_output=True, text=True, timeout=wait_s, cwd=ROOT)
+
+
+def line_of(text: str) -> int:
+    """The line of examples/plain_ddp.py that holds `text` (the report must name it)."""
+    for number, line in enumerate(SCRIPT.read_text().splitlines(), start=1):
+        if text in line:
+            return number
+    raise AssertionError(f"{text!r} is not in {SCRIPT}")
+
+
+def printed_losses(output: str) -> dict[tuple[int, int], float]:
+    """{(rank, step): loss} from the script's own lines "rank R step S loss L"."""
+    return {(int(r), int(s)): float(v) for r, s, v in re.findall(r"rank (\d) step (\d+) loss (-?[0-9.]+(?:e-?\d+)?|nan|inf)", output)}
+
+
+def left_running() -> list[str]:
+    """Processes of a watched job still alive (the script's ranks or their torchrun)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if str(SCRIPT) in cmd and state != "Z":
+            out.append(f"{pid}: {cmd}")
+    return out
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    yield
+    deadline = time.monotonic() + 5
+    while left_running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left_running(), f"a watched job left processes running: {left_running()}"
+
+
+def test_a_healthy_job_is_recorded_per_rank_and_step_with_the_losses_it_printed_and_would_print_unwatched(tmp_path):
+    done = watch(tmp_path / "run", *torchrun("--steps", "4"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    run = labkit.load_run(tmp_path / "run")
+    assert sorted(zip(run.df["rank"], run.df["step"])) == [(r, s) for r in range(2) for s in range(4)]
+    printed = printed_losses(done.stdout)
+    assert len(printed) == 8
+    recorded = {(int(r.rank), int(r.step)): r.loss for r in run.df.itertuples()}
+    assert recorded == printed                       # the tensor backward() ran on is the loss the script printed
+    assert run.df["loss_finite"].all() and run.df["grads_finite"].all()
+    assert (run.df["collectives"] >= 1).all()        # DDP's gradient all-reduce, seen by the Flight Recorder
+    assert labkit.watch_report(run).outcome == "finished" and run.finished
+    assert run.steps()["loss"].notna().all()          # Run reads the records as it reads a notebook run's
+    plain = subprocess.run(torchrun("--steps", "4"), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert printed_losses(plain.stdout) == printed      # the same losses without watch: the agent changes nothing
+
+
+def test_a_collective_under_if_rank_0_is_reported_with_its_rank_collective_and_line(tmp_path):
+    started = time.monotonic()
+    done = watch(tmp_path / "run", *torchrun("--steps", "6", "--bug", "rank0-collective"))
+    elapsed = time.monotonic() - started
+    assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
+    report = labkit.watch_report(tmp_path / "run")
+    barrier = "plain_ddp.py:%d" % line_of('"wait until it is written"')
+    assert report.outcome == "hung" and report.cause_rank == 0 and report.odd == [0]
+    assert report.waiting[0].op == "barrier" and report.waiting[0].line.startswith(barrier)
+    assert report.waiting[1].op == "all_reduce"      # rank 1 went on to the next step's gradient all-reduce
+    assert report.waiting[0].seq == report.waiting[1].seq
+    assert f"rank 0 made no progress at step 3" in done.stdout and barrier in done.stdout
+    last_record = max(r["time"] for r in labkit.load_run(tmp_path / "run").df.to_dict("records"))
+    meta = json.loads(RunDir(tmp_path / "run").meta.read_text())
+    assert meta["ended_at"] - last_record < TIMEOUT + 10, "the hang was not reported within the timeout + 10 s"
+    assert elapsed < 120
+
+
+def test_a_rank_that_skips_a_batch_is_the_odd_one_out_at_the_final_barrier(tmp_path):
+    done = watch(tmp_path / "run", *torchrun("--steps", "5", "--bug", "skip-batch"))
+    assert done.returncode == 3, done.stdout[-3000:]
+    report = labkit.watch_report(tmp_path / "run")
+    leave = f"plain_ddp.py:{line_of('# leave together')}"
+    assert report.cause_rank == 1 and report.odd == [1]
+    assert report.waiting[1].op == "barrier" and report.waiting[1].line.startswith(leave)
+    assert report.waiting[0].op == "all_reduce"      # rank 0's last step waits for a gradient all-reduce
+    steps = labkit.load_run(tmp_path / "run").df.groupby("rank")["step"].count()
+    assert steps[0] == 4 and steps[1] == 4          # rank 0 is stuck in its 5th step; rank 1 skipped one
+
+
+def test_a_slow_rank_is_named_the_straggler_from_its_arrival_times(tmp_path):
+    done = watch(tmp_path / "run", *torchrun("--steps", "6", "--bug", "slow-rank"))
+    assert done.returncode == 0, done.stdout[-3000:]
+    report = labkit.watch_report(tmp_path / "run")
+    assert report.stragglers == [1], str(report)
+    lag = report.lags[report.lags["step"] >= 1].groupby("rank")["lag_s"].median()
+    assert lag[1] > 0.1 > lag[0]                    # the script sleeps 0.15 s on rank 1 before each step
+    assert "straggler: rank 1" in done.stdout
+
+
+def test_the_rank_whose_loss_went_nan_first_is_named_with_its_step(tmp_path):
+    done = watch(tmp_path / "run", *torchrun("--steps", "5", "--bug", "nan-rank"))
+    assert done.returncode == 0
+    found = labkit.watch_report(tmp_path / "run").nonfinite
+    assert (found.rank, found.step, found.what, found.sure) == (1, 3, "loss and grad_norm", True)
+    assert found.at_step[0]["loss"] == pytest.approx(found.at_step[0]["loss"])   # rank 0's own loss stayed finite
+    assert found.at_step[0]["grad_norm"] != found.at_step[0]["grad_norm"]          # but DDP averaged in the NaN
+    assert "non-finite: rank 1 first, at step 3" in done.stdout
+
+
+def test_a_rank_killed_from_outside_is_reported_and_the_job_ended(tmp_path):
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "labkit", "watch", "--timeout", "30", "--run-dir", str(run_dir), "--",
+               *torchrun("--steps", "400", "--bug", "slow-rank")]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    deadline = time.monotonic() + 90
+    records = RunDir(run_dir).records(1)
+    while time.monotonic() < deadline and not (records.exists() and records.read_text().count("\n") >= 2):
+        time.sleep(0.1)
+    os.kill(int(RunDir(run_dir).pidfile(1).read_text()), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 4, out[-3000:]
+    assert "rank 1 was killed by a signal" in out and "killed from outside" in out
+
+
+def test_bad_input_is_one_line_each_with_its_exit_status(tmp_path):
+    missing = watch(tmp_path / "a", "no-such-program-here", "x")
+    assert missing.returncode == 127 and missing.stderr.strip().splitlines() == [
+        "labkit watch: no-such-program-here: command not found on PATH"]
+    fails = watch(tmp_path / "b", sys.executable, "-c", "import sys; sys.exit(5)")
+    assert fails.returncode == 1 and "the command's exit status 5" in fails.stdout
+    held = RunDir.claim(tmp_path / "held")
+    held.records(0).write_text('{"step": 0, "loss": 1.0}\n')   # another run's records
+    again = watch(held.path, sys.executable, "-c", "pass")
+    assert again.returncode == 2 and "already holds the records of a run" in again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1
+    bad = watch(tmp_path / "c", sys.executable, "-c", "pass", timeout=0)
+    assert bad.returncode == 2 and "--timeout 0" in bad.stderr
+    nothing = subprocess.run([sys.executable, "-m", "labkit", "watch"], capture_output=True, text=True, cwd=ROOT)
+    assert nothing.returncode == 2 and "nothing to watch" in nothing.stderr
+
+
+def test_without_torchrun_on_path_or_beside_python_the_error_says_where_torchrun_comes_from(monkeypatch):
+    from labkit.run import watch as watching
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    with pytest.raises(watching.CommandNotFound, match="torchrun: command not found on PATH .*comes with torch"):
+        watching.resolve(["torchrun", "--nproc-per-node", "2", "train.py"])
+
+
+def test_a_users_own_sitecustomize_still_runs_and_a_child_of_a_rank_starts_no_second_agent(tmp_path):
+    from labkit.run.watch import environment
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "sitecustomize.py").write_text("print('the user sitecustomize ran')\n")
+    run_dir = RunDir.claim(tmp_path / "run")
+    env = environment(run_dir)
+    env["PYTHONPATH"] += os.pathsep + str(mine)
+    env.update(RANK="0", WORLD_SIZE="1")
+    child = ("import os, subprocess, sys; from labkit.training import agent; print('agent', agent.current() is not None);"
+             "print(subprocess.run([sys.executable, '-c', 'from labkit.training import agent; "
+             "print(\"child agent\", agent.current() is not None)'], capture_output=True, text=True).stdout)")
+    out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("the user sitecustomize ran") == 2           # in the rank and in its child
+    assert "agent True" in out.stdout and "child agent False" in out.stdout
+    assert RunDir(run_dir.path).pidfiles() == [RunDir(run_dir.path).pidfile(0)]
+
+
+def test_gradients_that_went_bad_on_every_rank_together_name_no_rank_with_certainty():
+    import pandas as pd
+    from labkit.tricks.watched import first_nonfinite
+    nan = float("nan")
+    records = pd.DataFrame({"rank": [0, 1, 0, 1], "step": [0, 0, 1, 1], "loss": [1.0, 1.1, 0.9, 0.8],
+                            "loss_finite": [True] * 4, "grad_norm": [2.0, 2.0, nan, nan],
+                            "grads_finite": [True, True, False, False]})
+    found = first_nonfinite(records)
+    assert (found.step, found.what, found.sure) == (1, "grad_norm", False)
+    records.loc[3, ["loss", "loss_finite"]] = [nan, False]        # rank 1's own loss: the origin is known
+    found = first_nonfinite(records)
+    assert (found.rank, found.step, found.sure) == (1, 1, True)
+    assert first_nonfinite(records[records["step"] == 0]) is None
+
+
+def test_the_odd_rank_of_two_is_the_one_waiting_in_a_collective_the_other_never_issued():
+    import pandas as pd
+    from labkit.tricks.watched import waiting_places
+    rows = [(r, s, "all_reduce", "[[9]]", True, "train.py:14 in <module>") for s in range(3) for r in (0, 1)]
+    rows += [(0, 3, "barrier", "[]", False, "train.py:18 in <module>"),
+             (1, 3, "all_reduce", "[[9]]", False, "train.py:14 in <module>")]
+    fr = pd.DataFrame(rows, columns=["rank", "seq", "op", "sizes", "done", "line"]).assign(group="default_pg",
+                                                                                            dtypes="Float")
+    waiting, odd = waiting_places(fr)
+    assert odd == [0] and waiting[0].op == "barrier" and waiting[1].seq == 3
+    same = fr.assign(op="all_reduce", line="train.py:14 in <module>", sizes="[[9]]")   # both in one place
+    assert waiting_places(same)[1] == []
