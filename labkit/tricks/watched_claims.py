@@ -1,0 +1,117 @@
+"""Lesson 22's checks on watched runs (labkit.watch of a plain torchrun script), each named after its claim:
+
+    watched_claims.line_of(plain_ddp, "dist.barrier()  # ...and")   # 'plain_ddp.py:60': where a line of a script is
+    watched_claims.printed_losses(run)      # the losses the script printed itself, parsed from the job's output
+    watched_claims.loss_gap(a, b)           # the largest loss difference per rank and step, and whether the keys match
+    watched_claims.first_difference(a, b)   # the first step whose loss differs on some rank (None: none differs)
+    watched_claims.reported_within(m, limit)   # gated: the hang was reported within `limit` s of the last step
+
+A run here is a labkit Run (or a Metered whose value is one, for the gated checks); losses are compared per (rank,
+step), a NaN equal to a NaN.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from ..records import Run, read_meta
+from ..rundir import RunDir
+
+# Not anchored to whole lines: under PYTHONUNBUFFERED, print writes its text and its newline apart, so two ranks'
+# lines can share one line of the job's output ("rank 0 step 5 loss 0.43rank 1 step 5 loss 0.49").
+PRINTED = re.compile(r"rank (\d+) step (\d+) loss (nan|-?inf|[-+]?[0-9.]+(?:e[-+]?[0-9]+)?)")
+
+
+def line_of(module: Any, text: str) -> str:
+    """'file.py:N', the first line of `module`'s source holding `text` (as the Flight Recorder names a place)."""
+    lines, start = inspect.getsourcelines(module)
+    for number, line in enumerate(lines, start=max(start, 1)):
+        if text in line:
+            return f"{Path(inspect.getsourcefile(module)).name}:{number}"
+    raise ValueError(f"{text!r} is not in {module.__name__}'s source")
+
+
+def printed_losses(run: Run) -> pd.DataFrame:
+    """rank, step, loss: the lines "rank R step S loss L" the script printed, read from the job's output."""
+    text = RunDir(run.path).job_output.read_text(errors="replace")
+    rows = [(int(r), int(s), float(v)) for r, s, v in PRINTED.findall(text)]
+    return pd.DataFrame(rows, columns=["rank", "step", "loss"]).sort_values(["rank", "step"], ignore_index=True)
+
+
+def _losses(source: Run | pd.DataFrame) -> pd.Series:
+    frame = source if isinstance(source, pd.DataFrame) else source.df
+    return frame.set_index(["rank", "step"])["loss"].astype(float).sort_index()
+
+
+def loss_gap(a: Run | pd.DataFrame, b: Run | pd.DataFrame) -> tuple[float, bool]:
+    """The largest |loss_a - loss_b| over (rank, step), a NaN against a NaN counting 0, and whether both hold the
+    same (rank, step) keys: (gap, same_keys). A NaN against a number is an infinite gap."""
+    la, lb = _losses(a), _losses(b)
+    same_keys = la.index.equals(lb.index)
+    la, lb = la.align(lb, join="inner")
+    both_nan = la.isna() & lb.isna()
+    diff = (la - lb).abs().where(~both_nan, 0.0).fillna(math.inf)
+    return (float(diff.max()) if len(diff) else math.inf), same_keys
+
+
+def first_difference(a: Run | pd.DataFrame, b: Run | pd.DataFrame) -> int | None:
+    """The first step at which some rank's loss in `a` differs from `b`'s (exactly; NaN equals NaN), over the steps
+    both hold; None when every shared step agrees."""
+    la, lb = _losses(a).align(_losses(b), join="inner")
+    differ = ~((la == lb) | (la.isna() & lb.isna()))
+    steps = sorted({step for (_, step), bad in differ.items() if bad})
+    return steps[0] if steps else None
+
+
+def steps_per_rank(run: Run) -> dict[int, int]:
+    """How many optimizer steps each rank recorded."""
+    return {int(r): int(n) for r, n in run.df.groupby("rank").size().items()}
+
+
+def report_delay(run: Run) -> float:
+    """Seconds from the last record any rank wrote to the end of the watched job (labkit's report and kill)."""
+    return float(read_meta(run.path)["ended_at"] - run.df["time"].max())
+
+
+def reported_within(measured: Any, limit: float) -> str:
+    """Gated: the watched job (measured.value, a Run) ended within `limit` seconds of its last recorded step."""
+    delay = report_delay(measured.value)
+    assert delay < limit, f"reported {delay:.1f} s after the last step (limit {limit:g} s)"
+    return f"{delay:.1f} s after the last step (limit {limit:g} s)"
+
+
+def median_lags(run: Any) -> dict[int, float]:
+    """Each rank's median lag (s) behind the first arrival at the step's collectives, from step 1 on."""
+    from .watched import watch_report
+    lags = watch_report(run).lags
+    return {int(r): float(v) for r, v in lags[lags["step"] >= 1].groupby("rank")["lag_s"].median().items()}
+
+
+def straggler_named(measured: Any, rank: int) -> str:
+    """Gated: the watch report names `rank`, alone, as the straggler."""
+    from .watched import watch_report
+    found = watch_report(measured.value).stragglers
+    assert found == [rank], f"stragglers {found}"
+    return f"stragglers {found}"
+
+
+def late_by_the_sleep(measured: Any, rank: int, sleep_s: float) -> str:
+    """Gated: `rank` reached the collectives about `sleep_s` late (over half of it), every other rank under a fifth."""
+    lags = median_lags(measured.value)
+    shown = ", ".join(f"rank {r} {v * 1000:.0f} ms" for r, v in lags.items())
+    assert lags[rank] > 0.5 * sleep_s and all(v < 0.2 * sleep_s for r, v in lags.items() if r != rank), shown
+    return shown
+
+
+def everyone_slowed(measured: Any, sleep_s: float) -> str:
+    """Gated: every rank's median step time (from step 1) is over the sleep: the others wait for the slow one."""
+    df = measured.value.df
+    steps = df[df["step"] >= 1].groupby("rank")["t_step"].median()
+    shown = ", ".join(f"rank {r} {v * 1000:.0f} ms" for r, v in steps.items())
+    assert (steps > sleep_s).all(), shown
+    return shown
