@@ -80,7 +80,11 @@ def parser() -> argparse.ArgumentParser:
     compare.add_argument("--x", choices=("step", "samples"), default="step")
     compare.add_argument("--smooth", type=int, default=1, help="running mean of throughput over this many steps")
     watch = sub.add_parser("watch", help="run your own command (torchrun, a script) with every rank recorded and "
-                           "a hang reported", description="labkit watch [--timeout S] [--run-dir DIR] -- COMMAND...")
+                           "a hang reported", description="Run your own command unchanged (torchrun, a script): every rank "
+                           "recorded into a run directory, a hang reported (the odd rank, its collective, its line) and "
+                           "the job ended, the first NaN and the straggler named. Exit status: 0 finished, 1 the job "
+                           "failed, 3 hung, 4 a rank was killed from outside, 2 bad input, 127 no such command.",
+                           usage="labkit watch [--timeout S] [--startup-timeout S] [--run-dir DIR] -- COMMAND...")
     watch.add_argument("--timeout", type=float, default=30.0,
                        help="seconds a rank may go without an optimizer step or a new collective (default 30)")
     watch.add_argument("--startup-timeout", type=float, default=60.0,
