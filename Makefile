@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml requirements.lock
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip==26.3"
 	$(BIN)/python -m pip install --quiet "torch==2.13.0"
-	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[lab,test]"
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[lab,test,frameworks]"
 	touch $(STAMP)
 
 # --allow-root: containers, cloud images and many lab machines run as root; JupyterLab refuses them without it.
@@ -69,7 +69,8 @@ book: install
 	@echo "open site/index.html"
 
 # The optional extras, installed once each (stamps), only by the targets that need them: accelerate (`bench`: its
-# notebook_launcher is one of the launchers compared) and Playwright (`browser`), exactly pinned by requirements.lock.
+# notebook_launcher is one of the launchers compared; `make install` has it too, through the frameworks extra) and
+# Playwright (`browser`), exactly pinned by requirements.lock.
 $(VENV)/.bench-installed: $(STAMP)
 	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[bench]"
 	touch $@
