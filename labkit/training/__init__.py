@@ -15,6 +15,11 @@ The loop and what it runs:
     fp8.py         FP8 formats, quantising with one scale per tensor, tile or block (RunConfig.precision="fp8")
     fp8_linear.py  a linear layer's matmuls in simulated FP8, forward and backward (DeepSeek-V3's recipe)
     fp8_layers.py  which layers of the tiny models switch to FP8, in place; fp8_wire.py: FP8 expert dispatch
+Inside a rank of YOUR job, under `labkit watch` (no training loop of labkit's):
+    agent.py       records each optimizer step, beats, stacks and the Flight Recorder on request; started by
+                   site/sitecustomize.py (first on the job's PYTHONPATH) or by a framework's callback
+    flight.py      torch's Flight Recorder, read: the one module touching its private API
+    callbacks.py   the HF Trainer's and Lightning's callbacks (Lightning's added by an entry point under watch)
 How the model is spread over the ranks (parallel/):
     strategies.py  RunConfig.strategy: DDP, ZeRO-1, FSDP2 (fullshard.py), tensor parallel (tensor_parallel.py),
                    with the bytes each rank holds (held.py), the collectives (dispatchcount.py), the grad norm

@@ -143,6 +143,11 @@ class Agent:
         if flight.problem():  # a torch whose Flight Recorder moved: records and stacks still work, collectives not
             print(f"labkit watch: rank {rank}: no collectives recorded: {flight.problem()}", file=sys.stderr)
 
+    def measure_gradients(self, optimizer: Any) -> None:
+        """Read the gradient norm and LR for the next record now: a framework that runs backward inside
+        optimizer.step(closure) (Lightning) has no gradients yet when the optimizer's pre-step hook fires."""
+        self._before_step(optimizer, (), {})
+
     def note(self, **fields: Any) -> None:
         """Fields for this rank's next record (a framework's callback: Lightning's raw training_step loss)."""
         self._notes.update(fields)

@@ -134,7 +134,7 @@ def _lightning_class(package: str) -> type:
             if self.agent is None:
                 return
             # the agent's pre-step measure (grad_norm, lr) again: only now has backward run (see the docstring)
-            self.agent._before_step(optimizer, (), {})
+            self.agent.measure_gradients(optimizer)
             losses, self.losses = self.losses, []
             fields = {"trainer_step": trainer.global_step + 1}
             if losses:
