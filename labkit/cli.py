@@ -79,6 +79,12 @@ def parser() -> argparse.ArgumentParser:
     compare.add_argument("-o", "--output", type=Path, required=True, help="image file to write (.png, .svg, .pdf)")
     compare.add_argument("--x", choices=("step", "samples"), default="step")
     compare.add_argument("--smooth", type=int, default=1, help="running mean of throughput over this many steps")
+    add_watch(sub)
+    return top
+
+
+def add_watch(sub: argparse._SubParsersAction) -> None:
+    """The `watch` command's arguments (watch_command runs it)."""
     watch = sub.add_parser("watch", help="run your own command (torchrun, a script) with every rank recorded and "
                            "a hang reported", description="Run your own command unchanged (torchrun, a script): every rank "
                            "recorded into a run directory, a hang reported (the odd rank, its collective, its line) and "
@@ -91,7 +97,6 @@ def parser() -> argparse.ArgumentParser:
                        help="the same, before a rank's first optimizer step (imports, data, setup; default 60)")
     watch.add_argument("--run-dir", type=Path, help="the run directory (default: a new one under $LABKIT_RUNS)")
     watch.add_argument("job", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- torchrun ... train.py")
-    return top
 
 
 def watch_command(args: argparse.Namespace) -> int:
