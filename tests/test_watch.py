@@ -81,6 +81,7 @@ def test_a_healthy_job_is_recorded_per_rank_and_step_with_the_losses_it_printed_
     assert recorded == printed                       # the tensor backward() ran on is the loss the script printed
     assert run.df["loss_finite"].all() and run.df["grads_finite"].all()
     assert (run.df["collectives"] >= 1).all()        # DDP's gradient all-reduce, seen by the Flight Recorder
+    assert (run.df["samples"] == 32).all() and run.summary()["median_samples_per_s"] > 0   # the batch's rows
     assert labkit.watch_report(run).outcome == "finished" and run.finished
     assert run.steps()["loss"].notna().all()          # Run reads the records as it reads a notebook run's
     plain = subprocess.run(torchrun("--steps", "4"), capture_output=True, text=True, timeout=120, cwd=ROOT)

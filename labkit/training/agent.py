@@ -11,7 +11,9 @@ What it writes into the run directory ($LABKIT_WATCH_DIR), per rank, in the form
                     step: this rank's own loss), loss_finite, grad_norm (before the step, this rank's gradients; a
                     sharded parameter's local shard), grads_finite, lr, t_step, t_data (from the end of the last
                     step to the first forward), t_fwd_bwd (first forward to the end of the last backward, DDP's
-                    gradient all-reduce inside it), t_backward, backward_calls, rss_mb, collectives and arrivals
+                    gradient all-reduce inside it), t_backward, backward_calls, samples (rows of the first tensor
+                    passed positionally to the step's outermost module, per call; None for keyword-only calls, as
+                    transformers' models take input_ids), rss_mb, collectives and arrivals
                     (each collective the rank issued since the last step in the default group: [seq, op,
                     time_created_ns] from the Flight Recorder; same-host clocks make them comparable across ranks)
     rank<r>.beat    five float64s rewritten in place: last progress (unix time), step, state, newest collective seq,
@@ -116,6 +118,7 @@ class Agent:
         self._recorded_seq = -1  # the newest collective already in a record
         self._losses: list[torch.Tensor] = []
         self._t_backward, self._first_forward, self._last_backward_end = 0.0, None, None
+        self._outer, self._samples = None, 0
         self._step_ended = time.perf_counter()
         self._pre: dict[str, Any] = {}
         self._notes: dict[str, Any] = {}
@@ -155,8 +158,11 @@ class Agent:
     # --- what the script does ---------------------------------------------------------------------------------
 
     def _on_forward(self, module: Any, args: Any) -> None:
-        if self._first_forward is None:
-            self._first_forward = time.perf_counter()
+        if self._first_forward is None:  # the step's first forward: the outermost module (DDP, the model)
+            self._first_forward, self._outer = time.perf_counter(), module
+        if module is self._outer:  # each call of it is a micro-batch: its first tensor's rows are samples
+            rows = next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), 0)
+            self._samples += rows
 
     def _backward(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
         first = tensors[0] if isinstance(tensors, (list, tuple)) and tensors else tensors
@@ -196,6 +202,7 @@ class Agent:
                   "t_data": (first - self._step_ended) if first is not None else None,
                   "t_fwd_bwd": (end - first) if first is not None and end is not None and end > first else None,
                   "t_backward": self._t_backward, "backward_calls": len(losses), "rss_mb": _rss_mb(),
+                  "samples": self._samples or None,
                   "collectives": len(new),
                   "arrivals": [[e["collective_seq_id"], e["profiling_name"], e["time_created_ns"]] for e in new],
                   "time": time.time(), **self._notes}
@@ -206,7 +213,7 @@ class Agent:
         self._recorded_seq = max(self._recorded_seq, flight.last_seq(found))
         self.seq = max(self.seq, self._recorded_seq)
         self.step += 1
-        self._losses, self._t_backward, self._first_forward = [], 0.0, None
+        self._losses, self._t_backward, self._first_forward, self._outer, self._samples = [], 0.0, None, None, 0
         self._step_ended = time.perf_counter()
         self.beat()
 
