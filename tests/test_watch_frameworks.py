@@ -110,7 +110,7 @@ def test_the_callbacks_module_imports_no_framework_and_the_factories_add_nothing
 
 
 def with_labkit() -> dict[str, str]:
-    """This environment, with this checkout's labkit first on the path (as `labkit watch` puts it for its jobs)."""
+    """This environment, with this checkout's labkit first on the path (a job started without labkit watch)."""
     return {**os.environ, "PYTHONPATH": path_with(str(ROOT))}
 
 
