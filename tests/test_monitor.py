@@ -119,15 +119,9 @@ def test_tensorboard_is_embedded_only_when_a_person_runs_the_notebook(person):
         manager.shutdown_kernel(now=True)
 
 
-def test_two_torchrun_nodes_write_one_run_dir_the_monitor_reads(runs_root, no_leftovers):
-    cfg = RunConfig(global_batch=16, steps=8, save_final=False, faults=(Fault(kind="slow", rank=1, step=0,
-                                                                              delay_s=0.03),))
-    run, command = monitor.launch_as_nodes(cfg, runs_root / "job1")
-    assert command.startswith("torchrun --nnodes 2 --node-rank 0")
-    table = monitor.read_tensorboard(run)
-    assert sorted(table["rank"].unique()) == [0, 1] and table.groupby("rank").size().tolist() == [8, 8]
-    assert [s.rank for s in monitor.stragglers(table)] == [1]
-    assert not leftover_processes()
+# Two torchrun "nodes" writing one run directory that the monitor reads: lesson 11 runs monitor.launch_as_nodes under
+# make test (its claims: both nodes' ranks recorded, the straggler named), and tests/test_nodes.py runs the Slurm
+# script and the PyTorchJob's command as two nodes; a third torchrun pair here cost CI's 30 minutes ~20 s.
 
 
 def test_the_lessons_straggler_checks_pass_on_a_straggler_and_name_what_is_wrong(monkeypatch):
