@@ -8,7 +8,7 @@ import pytest
 
 import labkit
 from labkit.records import write_meta
-from labkit.tricks import watched_claims as wc
+from labkit.tricks import monitor, watched_claims as wc
 
 
 def fake_run(path, losses, printed="", ended_after=1.5, t_step=0.01, lags=None):
@@ -42,20 +42,17 @@ def test_printed_losses_parse_every_digit_and_skip_other_lines(tmp_path):
     printed = wc.printed_losses(run)
     assert printed[["rank", "step"]].values.tolist() == [[0, 0], [0, 1], [1, 0], [1, 1]]
     assert math.isnan(printed["loss"][0]) and printed["loss"][2] == 0.574800431728363 and printed["loss"][1] == 1.5e-05
-    gap, same = wc.loss_gap(printed, run)
-    assert same and gap == 0.0                    # a NaN against a NaN counts as equal
+    assert monitor.loss_gap(printed, run) == 0.0  # a NaN against a NaN counts as equal
 
 
 def test_loss_gap_and_first_difference(tmp_path):
     a = fake_run(tmp_path / "a", {0: [1.0, 2.0, 3.0], 1: [1.5, 2.5, 3.5]})
     b = fake_run(tmp_path / "b", {0: [1.0, 2.0, 3.25], 1: [1.5, math.nan, 3.5]})
-    gap, same = wc.loss_gap(a, b)
-    assert same and gap == math.inf               # a number against a NaN
+    assert monitor.loss_gap(a, b) == math.inf     # a number against a NaN
     assert wc.first_difference(a, b) == 1
     assert wc.first_difference(a, a) is None
     short = fake_run(tmp_path / "c", {0: [1.0, 2.0], 1: [1.5, 2.5]})
-    gap, same = wc.loss_gap(a, short)
-    assert not same and gap == 0.0                # the shared steps agree, the keys do not
+    assert monitor.loss_gap(a, short) == math.inf  # the shared steps agree, the keys do not
     assert wc.steps_per_rank(a) == {0: 3, 1: 3} and wc.steps_per_rank(short) == {0: 2, 1: 2}
 
 

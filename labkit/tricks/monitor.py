@@ -146,11 +146,15 @@ SAME_LOSS = 1e-6   # same_losses' tolerance: float32 losses of the same computat
 
 def loss_gap(a: Run | pd.DataFrame, b: Run | pd.DataFrame) -> float:
     """The largest difference between two runs' losses at the same (rank, step); inf when they did not record the
-    same (rank, step)s (a run that stopped early is not "the same"):  loss_gap(healthy, slowed) -> 0.0."""
-    losses = [(s.df if isinstance(s, Run) else s).set_index(["rank", "step"])["loss"].sort_index() for s in (a, b)]
+    same (rank, step)s (a run that stopped early is not "the same") or when one holds a NaN where the other holds a
+    number (a NaN against a NaN counts 0):  loss_gap(healthy, slowed) -> 0.0."""
+    losses = [(s.df if isinstance(s, Run) else s).set_index(["rank", "step"])["loss"].astype(float).sort_index()
+              for s in (a, b)]
     if not losses[0].index.equals(losses[1].index):
         return float("inf")
-    return float((losses[0] - losses[1]).abs().max())
+    both_nan = losses[0].isna() & losses[1].isna()
+    gaps = (losses[0] - losses[1]).abs().where(~both_nan, 0.0).fillna(float("inf"))
+    return float(gaps.max()) if len(gaps) else 0.0
 
 
 def same_losses(a: Run | pd.DataFrame, b: Run | pd.DataFrame, tolerance: float = SAME_LOSS) -> bool:

@@ -2,7 +2,7 @@
 
     watched_claims.line_of(plain_ddp, "dist.barrier()  # ...and")   # 'plain_ddp.py:60': where a line of a script is
     watched_claims.printed_losses(run)      # the losses the script printed itself, parsed from the job's output
-    watched_claims.loss_gap(a, b)           # the largest loss difference per rank and step, and whether the keys match
+    monitor.loss_gap(a, b)                  # (lesson 11's) the largest loss difference per rank and step, inf if keys differ
     watched_claims.first_difference(a, b)   # the first step whose loss differs on some rank (None: none differs)
     watched_claims.reported_within(m, limit)   # gated: the hang was reported within `limit` s of the last step
 
@@ -12,7 +12,6 @@ step), a NaN equal to a NaN.
 from __future__ import annotations
 
 import inspect
-import math
 import re
 from pathlib import Path
 from typing import Any
@@ -46,17 +45,6 @@ def printed_losses(run: Run) -> pd.DataFrame:
 def _losses(source: Run | pd.DataFrame) -> pd.Series:
     frame = source if isinstance(source, pd.DataFrame) else source.df
     return frame.set_index(["rank", "step"])["loss"].astype(float).sort_index()
-
-
-def loss_gap(a: Run | pd.DataFrame, b: Run | pd.DataFrame) -> tuple[float, bool]:
-    """The largest |loss_a - loss_b| over (rank, step), a NaN against a NaN counting 0, and whether both hold the
-    same (rank, step) keys: (gap, same_keys). A NaN against a number is an infinite gap."""
-    la, lb = _losses(a), _losses(b)
-    same_keys = la.index.equals(lb.index)
-    la, lb = la.align(lb, join="inner")
-    both_nan = la.isna() & lb.isna()
-    diff = (la - lb).abs().where(~both_nan, 0.0).fillna(math.inf)
-    return (float(diff.max()) if len(diff) else math.inf), same_keys
 
 
 def first_difference(a: Run | pd.DataFrame, b: Run | pd.DataFrame) -> int | None:
