@@ -21,7 +21,7 @@ from typing import Any
 from . import constraints
 from .fault import Fault, as_faults, fault_shape
 from .rules import (  # noqa: F401 - the choices are re-exported (labkit.config.V_SCHEDULES): rules.py owns them
-    BACKENDS, BALANCING, CHECKPOINT_FORMATS, COMM_HOOKS, FP8_FORMATS, FP8_SCALINGS, LAYERS, MODEL_SIZES, NAN_POLICIES,
+    BACKENDS, BALANCING, CHECKPOINT_FORMATS, CONTEXT_METHODS, CONTEXT_SPLITS, COMM_HOOKS, FP8_FORMATS, FP8_SCALINGS, LAYERS, MODEL_SIZES, NAN_POLICIES,
     OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_SHAPES, PRECISIONS, SCHEDULES, SINGLE_STAGE_SCHEDULES, STRATEGIES, TASKS,
     RULES, TP_DEGREES, TP_STRATEGIES, V_SCHEDULES, shown)
 
@@ -231,6 +231,17 @@ class RunConfig:
     sequence_parallel: bool = False
     """"tp" / "fsdp+tp": also split the LayerNorms and the residual stream along the sequence (Korthikanti et al.
     2022): all-gathers and reduce-scatters in place of the all-reduces (training/parallel/tensor_parallel.py)."""
+    context_parallel: int = 1
+    """tinylm: ranks each sequence is split over (context parallelism), carved out of the data-parallel ranks as
+    expert parallelism is: world_size / context_parallel groups of neighbours each read one batch and hold a share
+    of every sample's positions; attention sees the whole sequence by context_method (training/parallel/context.py)."""
+    context_method: str = "ring"
+    """context_parallel > 1: "ring" (K/V passed round the group, blocks merged by log-sum-exp), "allgather" (K/V
+    gathered whole) or "ulysses" (all-to-all from sequence shards to head shards and back; heads divisible by
+    context_parallel)."""
+    context_split: str = "contiguous"
+    """context_parallel > 1: "contiguous" (rank r: the r-th slice; the causal mask leaves the last rank the most
+    work) or "zigzag" (rank r: chunks r and 2N-1-r of 2N, exactly even); seq_len must divide into N or 2N chunks."""
 
     def __post_init__(self) -> None:
         # JSON and notebooks hand us lists of dicts; keep the dataclass hashable and typed. What cannot be turned
@@ -247,8 +258,9 @@ class RunConfig:
 
     @property
     def batch_per_rank(self) -> int:
-        """Samples in one micro-batch on one rank: global_batch / (world_size * grad_accum)."""
-        return self.global_batch // (self.world_size * self.grad_accum)
+        """Samples in one micro-batch on one rank: global_batch / (world_size * grad_accum); with context_parallel,
+        the ranks of a group share theirs (each holds seq_len / context_parallel positions of every sample)."""
+        return self.global_batch // (self.world_size // self.context_parallel * self.grad_accum)
 
     @property
     def parallel_dims(self) -> tuple[int, int]:
@@ -306,7 +318,7 @@ class RunConfig:
                        f"{self.vocab_size}")
         c = constraints
         out += c.batch_problems(self) + c.schedule_problems(self) + c.strategy_problems(self) + c.expert_problems(self)
-        out += c.fp8_problems(self)
+        out += c.fp8_problems(self) + c.context_problems(self)
         if self.strategy == "pp":
             out += c.pipeline_problems(self)
         for i, fault in enumerate(self.faults):

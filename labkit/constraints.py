@@ -3,7 +3,7 @@ every field is valid on its own; each returns sentences naming the fields to cha
 
     batch_problems(RunConfig(global_batch=30, world_size=4))   # ["RunConfig.global_batch = 30: does not split ..."]
     pipeline_problems(cfg), strategy_problems(cfg), schedule_problems(cfg), expert_problems(cfg), fp8_problems(cfg)
-    sequence_parallel_problems(cfg)   # (strategy_problems calls it)
+    sequence_parallel_problems(cfg)   # (strategy_problems calls it); context_problems(cfg)
 
 The field-by-field rules (types, ranges) and the choices each field offers are in rules.py.
 """
@@ -11,17 +11,55 @@ from __future__ import annotations
 
 from typing import Any
 
-from .rules import SINGLE_STAGE_SCHEDULES, TP_DEGREES, TP_STRATEGIES, V_SCHEDULES
+from .rules import LM_HEADS, SINGLE_STAGE_SCHEDULES, TP_DEGREES, TP_STRATEGIES, V_SCHEDULES
 
 
 def batch_problems(config: Any) -> list[str]:
-    split = config.world_size * config.grad_accum
+    cp = config.context_parallel if config.world_size % config.context_parallel == 0 else 1
+    split = config.world_size // cp * config.grad_accum
     if config.global_batch % split:
         lower = max(split, config.global_batch // split * split)
-        return [f"RunConfig.global_batch = {config.global_batch}: does not split evenly over RunConfig.world_size="
-                f"{config.world_size} x RunConfig.grad_accum={config.grad_accum} = {split}; use a multiple of "
-                f"{split}, e.g. {lower} or {lower + split}"]
+        ranks = (f"RunConfig.world_size={config.world_size}" if cp == 1 else
+                 f"RunConfig.world_size / context_parallel = {config.world_size // cp} data-parallel ranks")
+        return [f"RunConfig.global_batch = {config.global_batch}: does not split evenly over {ranks} x "
+                f"RunConfig.grad_accum={config.grad_accum} = {split}; use a multiple of {split}, e.g. {lower} or "
+                f"{lower + split}"]
     return []
+
+
+def context_problems(config: Any) -> list[str]:
+    """Context parallelism splits tinylm's sequences over groups of context_parallel neighbours, inside DDP:
+
+        context_problems(RunConfig(context_parallel=2, context_split="zigzag", seq_len=30))   # ["RunConfig.seq_len = 30: ..."]
+    """
+    cp, where = config.context_parallel, f"RunConfig.context_parallel = {config.context_parallel}"
+    if cp == 1:
+        return [f"RunConfig.{name} = {getattr(config, name)!r}: only means something with context_parallel > 1; "
+                f"leave it at {default!r}" for name, default in (("context_method", "ring"),
+                                                                 ("context_split", "contiguous"))
+                if getattr(config, name) != default]
+    if config.task != "tinylm":
+        return [f"{where}: splits GPT-2's sequences (task 'tinylm'), not task {config.task!r}'s; leave it at 1"]
+    out = []
+    if config.strategy != "ddp":
+        out.append(f"{where}: runs inside DDP (its ranks' gradients are averaged with every other rank's); "
+                   f"RunConfig.strategy must be 'ddp', not {config.strategy!r}")
+    if config.world_size % cp:
+        out.append(f"{where}: must divide RunConfig.world_size = {config.world_size} (groups of neighbours share "
+                   "one batch)")
+    chunks = cp * (2 if config.context_split == "zigzag" else 1)
+    if config.seq_len % chunks:
+        out.append(f"RunConfig.seq_len = {config.seq_len}: the {config.context_split} split over {cp} ranks cuts it "
+                   f"into {chunks} equal chunks, so it must be divisible by {chunks}"
+                   + (" (2 x context_parallel)" if config.context_split == "zigzag" else ""))
+    heads = LM_HEADS[config.model_size]
+    if config.context_method == "ulysses" and heads % cp:
+        out.append(f"RunConfig.context_method = 'ulysses': hands each of the {cp} ranks whole heads, and model_size "
+                   f"{config.model_size!r} has {heads}; use a context_parallel that divides {heads}, or 'ring'")
+    if config.dropout:
+        out.append(f"RunConfig.dropout = {config.dropout!r}: labkit's context-parallel attention has no attention "
+                   "dropout; leave it at 0 with context_parallel > 1")
+    return out
 
 
 def schedule_problems(config: Any) -> list[str]:

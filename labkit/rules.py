@@ -21,6 +21,8 @@ TASKS = ("tinylm", "digits", "tinymoe")
 MODEL_SIZES = ("tiny", "small", "base")
 LAYERS = {"tinylm": {"tiny": 2, "small": 4, "base": 6}, "tinymoe": {"tiny": 2, "small": 2, "base": 4}}
 """Transformer blocks (decoder layers) of each task's model sizes, when RunConfig.layers is 0 (RunConfig.blocks)."""
+LM_HEADS = {"tiny": 4, "small": 4, "base": 8}
+"""tinylm's attention heads per model size (training/tasks.py builds the model with them)."""
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "linear", "cosine", "cosine_restarts", "polynomial", "plateau")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # fp8: simulated, training/fp8*.py
@@ -39,6 +41,8 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 PIPELINE_SHAPES = ("inferred", "fixed", "fixed_no_grad")
 FP8_SCALINGS = ("tensor", "tile")  # one scale per tensor, or DeepSeek-V3's tiles and blocks (training/fp8_linear.py)
 FP8_FORMATS = ("e4m3", "e5m2")
+CONTEXT_METHODS = ("ring", "allgather", "ulysses")  # how attention sees the whole sequence (training/parallel/context.py)
+CONTEXT_SPLITS = ("contiguous", "zigzag")  # which positions each context-parallel rank holds
 
 
 def is_int(value: Any) -> bool:
@@ -125,5 +129,6 @@ RULES: dict[str, Rule] = {
     "pipeline_shapes": one_of(*PIPELINE_SHAPES), "pipeline_check": boolean,
     "fp8_scaling": one_of(*FP8_SCALINGS), "fp8_tile": integer(0), "fp8_grad_format": one_of(*FP8_FORMATS),
     "fp8_dispatch": boolean, "pipeline_zero1": boolean, "sequence_parallel": boolean,
+    "context_parallel": integer(1), "context_method": one_of(*CONTEXT_METHODS), "context_split": one_of(*CONTEXT_SPLITS),
 }
 """The rule each RunConfig field's value must pass; faults are checked by their own shape and ranges (fault.py)."""

@@ -83,3 +83,42 @@ def uneven_heads(ctx):
 def test_ulysses_refuses_heads_the_degree_does_not_divide(runs_root, no_leftovers):
     run = labkit.launch(uneven_heads, world_size=2, timeout=30, runs_root=runs_root, echo=False)
     assert "divisible by 2; the model has 3 heads" in run.result(0)
+
+
+@pytest.mark.parametrize("method, split", [("ring", "zigzag"), ("ulysses", "contiguous")])
+def test_training_with_context_parallel_2_inside_data_parallel_2_gives_one_process_losses(method, split, runs_root,
+                                                                                           no_leftovers):
+    base = labkit.RunConfig(world_size=1, global_batch=8, steps=3, seq_len=32, tensorboard=False, save_final=False)
+    one = labkit.launch(base, runs_root=runs_root, echo=False)
+    four = labkit.launch(base.replace(world_size=4, context_parallel=2, context_method=method, context_split=split),
+                         runs_root=runs_root, echo=False)
+    gap = abs(one.steps()["loss"].to_numpy() - four.steps()["loss"].to_numpy()).max()
+    assert gap < 1e-5, gap                        # float32: measured about 5e-7
+    first = four.df[four.df.step == 0].set_index("rank")
+    assert first.samples.sum() == 8 and first.tokens.sum() == 8 * 32   # every sample and token counted once
+    block = 4 * 4 * 16 * 16 * 4                   # one rank's K: 4 rows x 4 heads x 16 positions x 16 dims, float32
+    per_layer = 2 * block if method == "ring" else 4 * block // 2   # ring: K and V once; ulysses: q, k, v, out halves
+    assert (first.cp_bytes == 2 * per_layer).all(), first.cp_bytes  # 2 layers
+    pairs = cp.causal_pairs(32, 2, split) if method == "ring" else [32 * 33 // 2 // 2] * 2
+    assert list(first.cp_pairs) == [4 * 4 * 2 * p for p in pairs] * 2, first.cp_pairs   # rows x heads x layers
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(context_parallel=2, context_split="zigzag", seq_len=30), "RunConfig.seq_len = 30"),
+    (dict(context_parallel=3), "RunConfig.context_parallel = 3: must divide RunConfig.world_size = 2"),
+    (dict(world_size=4, context_parallel=4, model_size="small", context_method="ulysses", global_batch=8,
+          layers=2, seq_len=32), None),
+    (dict(world_size=8, context_parallel=8, context_method="ulysses", global_batch=8, seq_len=32),
+     "RunConfig.context_method = 'ulysses'"),
+    (dict(context_parallel=2, task="digits"), "RunConfig.context_parallel = 2: splits GPT-2's sequences"),
+    (dict(context_parallel=2, strategy="fsdp"), "RunConfig.strategy must be 'ddp'"),
+    (dict(context_parallel=2, dropout=0.1), "RunConfig.dropout = 0.1"),
+    (dict(context_split="zigzag"), "RunConfig.context_split = 'zigzag': only means something"),
+    (dict(world_size=4, context_parallel=2, global_batch=5), "over RunConfig.world_size / context_parallel = 2"),
+])
+def test_bad_context_parallel_configs_are_refused_naming_the_field(fields, words):
+    if words is None:
+        labkit.RunConfig(**fields)   # 4 heads over 4 ranks: allowed
+        return
+    with pytest.raises(labkit.ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        labkit.RunConfig(**fields)

@@ -26,12 +26,14 @@ from .data import DigitsStream, digits_data, digits_indices, step_generator
 from .moe_task import TinyMoE
 from .taskbase import Task
 from ..config import RunConfig
+from ..rules import LAYERS, LM_HEADS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub: the models are built from a config
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 LANGUAGE_SEED = 20261130  # the synthetic language is fixed; RunConfig.seed only changes which sentences are drawn
-LM_SIZES = {"tiny": (64, 2, 4), "small": (128, 4, 4), "base": (256, 6, 8)}  # width, layers, heads
+LM_SIZES = {size: (width, LAYERS["tinylm"][size], LM_HEADS[size])   # width, layers, heads
+            for size, width in (("tiny", 64), ("small", 128), ("base", 256))}
 MLP_WIDTH = {"tiny": 64, "small": 128, "base": 256}
 
 

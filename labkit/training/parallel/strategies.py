@@ -61,7 +61,7 @@ class Placement:
     task: Task
     meter: StateMeter
     tp: int = 1
-    """Ranks that share each batch (the tensor-parallel degree)."""
+    """Ranks that share each batch (the tensor-parallel degree; the context-parallel one)."""
     dispatch_counted: bool = False
     more: Callable[[], dict[str, Any]] | None = None
     """Further record fields, read after each optimizer step (tinymoe: biases, expert-parallel traffic)."""
@@ -159,6 +159,13 @@ def distribute(model: nn.Module, task: Task, config: RunConfig, ctx: RankContext
         wrapped, optimizer, more = place_experts(model, task, config, ctx, make_optimizer)
         return Placement(wrapped, optimizer, task, StateMeter(model, optimizer, COUNTED_STEPS), dispatch_counted=True,
                          more=more)
+    if config.context_parallel > 1:  # sequences split over groups of neighbours, inside DDP (context_model.py)
+        from .context_model import place_context
+        task, _ = place_context(model, make_task(config, config.world_size // config.context_parallel), config,
+                                ctx.rank)
+        optimizer = make_optimizer(config, model.parameters())
+        return Placement(_ddp(model, config, ctx), optimizer, task, StateMeter(model, optimizer, COUNTED_STEPS),
+                         tp=config.context_parallel)
     if config.strategy in ("ddp", "zero1"):
         wrapped = _ddp(model, config, ctx)
         if config.strategy == "ddp":
