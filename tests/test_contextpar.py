@@ -1,0 +1,123 @@
+"""Lesson 23's helpers (labkit/tricks/contextpar.py): the chunked ring on real gloo ranks equal to one process with
+the hidden chunks skipped, the tables and checks the lesson's claims read (each shown to fail on a planted wrong
+value), the splits' picture. The methods themselves are tested in tests/test_context_parallel.py."""
+from __future__ import annotations
+
+import types
+
+import pandas as pd
+import pytest
+import torch
+
+import labkit
+from labkit.tricks import contextpar as cpx
+
+S, H, D = 32, 2, 8
+
+
+def chunked_against_one_process(ctx):
+    """Each split: the chunked ring's rows and q/k/v gradients against one process's attention; its pairs and
+    skipped chunk pairs."""
+    gen = torch.Generator().manual_seed(3)
+    full = [torch.randn(1, H, S, D, generator=gen) for _ in range(4)]
+    leaves = [t.clone().requires_grad_() for t in full[:3]]
+    cpx.reference(*leaves).backward(full[3])
+    out = {}
+    for split in ("contiguous", "zigzag"):
+        pos = cpx.positions(S, ctx.rank, ctx.world_size, split)
+        mine = [t.index_select(2, pos).requires_grad_() for t in full[:3]]
+        stats = cpx.Traffic()
+        got = cpx.chunked_ring(*mine, pos, split, stats)
+        got.backward(full[3].index_select(2, pos))
+        want = cpx.reference(*full[:3]).index_select(2, pos)
+        grads = max((a.grad - b.grad.index_select(2, pos)).abs().max().item() for a, b in zip(mine, leaves))
+        out[split] = {"error": max((got - want).abs().max().item(), grads), "pairs": stats.pairs,
+                      "skipped": stats.blocks_skipped}
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_chunked_ring_equals_one_process_and_skips_the_hidden_chunks(world, runs_root, no_leftovers):
+    run = labkit.launch(chunked_against_one_process, world_size=world, timeout=60, runs_root=runs_root, echo=False)
+    for rank in range(world):
+        for split, got in run.result(rank).items():
+            assert got["error"] < 1e-5, (rank, split, got)
+            assert got["pairs"] == H * cpx.causal_pairs(S, world, split)[rank], (rank, split, got)
+    # 2 ranks, 4 chunks, 8 (query chunk, key chunk) pairs per rank. zigzag: rank 0 (chunks 0, 3) computes (0,0),
+    # (3,0..3), rank 1 (chunks 1, 2) computes (1,0), (1,1), (2,0..2): 5 each. contiguous: 3 and 7.
+    if world == 2:
+        assert [8 - run.result(r)["zigzag"]["skipped"] for r in (0, 1)] == [5, 5]
+        assert [8 - run.result(r)["contiguous"]["skipped"] for r in (0, 1)] == [3, 7]
+
+
+def fake_got(world: int, sent_wrong: bool = False, pairs_wrong: bool = False) -> dict:
+    """every_method's result as the formulas say it should be (or with one value planted wrong)."""
+    block = cpx.BATCH * cpx.HEADS * (cpx.SEQ // world) * (cpx.WIDTH // cpx.HEADS) * 4
+    rows = []
+    for rank in range(world):
+        for method in ("ring", "allgather", "ulysses"):
+            for split in ("contiguous", "zigzag"):
+                pairs = cpx.BATCH * cpx.HEADS * cpx.LAYERS * cpx.causal_pairs(cpx.SEQ, world, split)[rank]
+                rows.append({"rank": rank, "method": method, "split": split, "logits": 1e-7, "grads": 1e-8,
+                             "sent": cpx.expected_bytes(method, world, block), "pairs": pairs, "skipped": 0})
+    table = pd.DataFrame(rows)
+    if sent_wrong:
+        table.loc[len(table) - 1, "sent"] += 4
+    if pairs_wrong:
+        table.loc[(table.method == "ring") & (table["rank"] == world - 1), "pairs"] += 1
+    return {"world": world, "seq_len": cpx.SEQ, "block_bytes": block, "rows": table}
+
+
+def test_the_byte_formulas_by_hand():
+    # one rank's K at 4 ranks: 2 x 4 heads x 8 positions x 8 dims x 4 bytes = 2048; 2 layers
+    assert cpx.expected_bytes("ring", 4, 2048) == 2 * 2 * 3 * 2048
+    assert cpx.expected_bytes("allgather", 4, 2048) == cpx.expected_bytes("ring", 4, 2048)
+    assert cpx.expected_bytes("ulysses", 4, 2048) == 2 * 4 * 3 * 2048 // 4
+    assert cpx.expected_bytes("ulysses", 2, 2048) == cpx.expected_bytes("ring", 2, 2048)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_checks_hold_on_the_formulas_and_fail_on_a_planted_value(world):
+    assert cpx.bytes_match(fake_got(world)) and cpx.pairs_match(fake_got(world))
+    assert not cpx.bytes_match(fake_got(world, sent_wrong=True))
+    assert not cpx.pairs_match(fake_got(world, pairs_wrong=True))
+    counted = cpx.pairs_counted(fake_got(world))
+    assert len(set(counted["zigzag"])) == 1 and counted["contiguous"] == sorted(counted["contiguous"])
+    assert cpx.traffic_table(fake_got(world))["formula"].to_dict() == \
+        {m: cpx.expected_bytes(m, world, fake_got(world)["block_bytes"]) for m in ("allgather", "ring", "ulysses")}
+
+
+def test_the_imbalance_at_4_ranks_is_the_counted_ratio():
+    table = cpx.pairs_table(fake_got(4))
+    assert table.loc["zigzag", "slowest / fair"] == 1
+    assert table.loc["contiguous", "slowest / fair"] == pytest.approx(3648 / 2112)
+
+
+def timed(seconds: dict) -> types.SimpleNamespace:
+    return types.SimpleNamespace(value={"seconds": seconds})
+
+
+def test_the_gated_speed_checks_assert_their_claims():
+    fast = timed({"whole blocks/contiguous": 1.0, "whole blocks/zigzag": 1.4, "chunked/contiguous": 1.0,
+                  "chunked/zigzag": 0.7})
+    assert cpx.zigzag_is_faster(1.2)(fast) == "1.43x" and cpx.zigzag_is_slower_whole(1.1)(fast) == "1.40x"
+    slow = timed({"whole blocks/contiguous": 1.0, "whole blocks/zigzag": 1.0, "chunked/contiguous": 1.0,
+                  "chunked/zigzag": 0.95})
+    with pytest.raises(AssertionError):
+        cpx.zigzag_is_faster(1.2)(slow)
+    with pytest.raises(AssertionError):
+        cpx.zigzag_is_slower_whole(1.1)(slow)
+
+
+def test_tokens_per_rank_counts_samples_and_positions():
+    one = labkit.RunConfig(world_size=1, global_batch=8, seq_len=32)
+    four = one.replace(world_size=4, context_parallel=2)
+    assert cpx.tokens_per_rank(one) == 256 and cpx.tokens_per_rank(four) == 64
+
+
+def test_the_picture_titles_give_each_rank_its_pairs():
+    import matplotlib
+    matplotlib.use("Agg")
+    fig = cpx.draw_splits(16, 2)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["contiguous: pairs per rank [36, 100]", "zigzag: pairs per rank [68, 68]"]
