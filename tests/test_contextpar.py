@@ -121,3 +121,32 @@ def test_the_picture_titles_give_each_rank_its_pairs():
     fig = cpx.draw_splits(16, 2)
     titles = [ax.get_title() for ax in fig.axes]
     assert titles == ["contiguous: pairs per rank [36, 100]", "zigzag: pairs per rank [68, 68]"]
+
+
+def fake_run(config, act_bytes, losses, cp_pairs=None):
+    """A Run as the helpers read it: config, df (step, rank, tokens, act_bytes, cp_pairs) and steps()."""
+    ranks = range(config.world_size)
+    tokens = cpx.tokens_per_rank(config)
+    df = pd.DataFrame([{"step": s, "rank": r, "tokens": tokens, "act_bytes": act_bytes,
+                        "cp_pairs": (cp_pairs or [0] * config.world_size)[r]} for s in range(len(losses)) for r in ranks])
+    return types.SimpleNamespace(config=config, df=df, steps=lambda: pd.DataFrame({"loss": losses}))
+
+
+def test_the_activation_table_and_the_loss_gap_read_the_records():
+    one = labkit.RunConfig(world_size=1, global_batch=8, seq_len=32)
+    four = one.replace(world_size=4, context_parallel=2, context_split="zigzag")
+    runs = {"one process": fake_run(one, 4000, [3.0, 2.5]), "DP 2 x CP 2": fake_run(four, 1000, [3.0, 2.5 + 1e-3])}
+    table = cpx.act_bytes_per_rank(runs)
+    assert table["tokens per rank"].to_dict() == {"one process": 256, "DP 2 x CP 2": 64}
+    assert table["bytes per token"].to_dict() == {"one process": 4000 / 256, "DP 2 x CP 2": 1000 / 64}
+    assert cpx.loss_gap(runs) == pytest.approx(1e-3)
+
+
+def test_the_recorded_pairs_are_set_beside_the_causal_count():
+    cfg = labkit.RunConfig(world_size=4, context_parallel=2, context_split="contiguous", global_batch=8, seq_len=32)
+    layout = cpx.tiny_layout(cfg)
+    want = [cfg.batch_per_rank * layout["heads"] * layout["layers"] * p for p in cpx.causal_pairs(32, 2, "contiguous")]
+    table = cpx.cp_pairs_table(fake_run(cfg, 1, [1.0], cp_pairs=want * 2))
+    assert (table.iloc[:, 0] == table.iloc[:, 1]).all() and table.iloc[0, 1] < table.iloc[1, 1]
+    wrong = cpx.cp_pairs_table(fake_run(cfg, 1, [1.0], cp_pairs=want[::-1] * 2))
+    assert not (wrong.iloc[:, 0] == wrong.iloc[:, 1]).all()
