@@ -4,8 +4,8 @@
     cpx.draw_splits(16, 2)                        # who holds which queries, and the causal pairs each computes
     got = cpx.every_method(world=2)               # the tiny GPT-2, every method x split, against one process
     cpx.worst(got, "logits"), cpx.bytes_match(got), cpx.pairs_match(got)
-    timed = cpx.split_timing(seq_len=512)         # a metered launch: ring attention, contiguous vs zigzag
-    claims.gated("zigzag's step is faster", cpx.zigzag_is_faster(1.2), timed)
+    timed = cpx.split_timing(1024)                # a metered launch: ring attention, contiguous vs zigzag
+    claims.gated("zigzag's step is faster", cpx.zigzag_is_faster(1.05), timed)
 
 Each launch runs every rank against one process's whole-sequence model on the same rank, so every rank is compared,
 not only rank 0. The lesson imports only this module for the inside of labkit (labkit.training stays hidden).
@@ -295,11 +295,13 @@ def _split_timing_rank(ctx: Any, seq_len: int, heads: int, head_dim: int, reps: 
     return {"seconds": {key: statistics.median(v) for key, v in seconds.items()}, "pairs": pairs, "error": error}
 
 
-def split_timing(seq_len: int = 512, *, heads: int = 4, head_dim: int = 16, reps: int = 5, cores: int = 2,
+def split_timing(seq_len: int = 1024, *, heads: int = 2, head_dim: int = 64, reps: int = 7, cores: int = 2,
                  runs_root: Any = None):
     """A metered 2-rank launch timing ring attention's step, whole-block and chunked skipping, under each split
-    (median of `reps`); .value is {"seconds": {"code/split": s}, "pairs": {"code/split": [per rank]}, "error":
-    the largest output difference from one process, over both ranks}."""
+    (median of `reps`). .value: {"seconds": {"code/split": s}, "pairs": {"code/split": [per rank]}, "error": the
+    largest output difference from one process over both ranks}. Measured on quiet cores at these defaults, six
+    launches: chunked zigzag 1.14-1.30x faster than chunked contiguous, whole-block zigzag 1.28-1.46x slower (at 512
+    tokens and 4 heads the chunked ratio ranged 0.85-1.29: too little work per chunk pair to tell)."""
     def measure() -> dict[str, Any]:
         run = launch(lambda ctx: _split_timing_rank(ctx, seq_len, heads, head_dim, reps), world_size=2,
                      timeout=60, echo=False, progress=False, name="cp-split-timing", runs_root=runs_root)
