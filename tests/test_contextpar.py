@@ -127,8 +127,9 @@ def fake_run(config, act_bytes, losses, cp_pairs=None):
     """A Run as the helpers read it: config, df (step, rank, tokens, act_bytes, cp_pairs) and steps()."""
     ranks = range(config.world_size)
     tokens = cpx.tokens_per_rank(config)
-    df = pd.DataFrame([{"step": s, "rank": r, "tokens": tokens, "act_bytes": act_bytes,
-                        "cp_pairs": (cp_pairs or [0] * config.world_size)[r]} for s in range(len(losses)) for r in ranks])
+    pairs = cp_pairs or [0] * config.world_size
+    df = pd.DataFrame([{"step": s, "rank": r, "tokens": tokens, "act_bytes": act_bytes, "cp_pairs": pairs[r]}
+                       for s in range(len(losses)) for r in ranks])
     return types.SimpleNamespace(config=config, df=df, steps=lambda: pd.DataFrame({"loss": losses}))
 
 

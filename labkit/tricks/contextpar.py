@@ -8,7 +8,8 @@
     claims.gated("zigzag's step is faster", cpx.zigzag_is_faster(1.05), timed)
 
 Each launch runs every rank against one process's whole-sequence model on the same rank, so every rank is compared,
-not only rank 0. The lesson imports only this module for the inside of labkit (labkit.training stays hidden).
+not only rank 0. The lesson imports only this module for the inside of labkit (labkit.training stays hidden); the
+traps live in context_traps.py.
 """
 from __future__ import annotations
 
@@ -28,10 +29,10 @@ from ..run.launch import launch
 from ..training.parallel import context as cp
 from ..training.parallel import context_model as cpm
 
-__all__ = ["positions", "causal_pairs", "reference", "Traffic", "tiny_gpt2", "draw_splits", "every_method", "worst", "traffic_table",
-           "bytes_match", "pairs_counted", "pairs_match", "activation_runs", "act_bytes_per_rank", "tokens_per_rank",
-           "split_timing", "chunked_ring", "zigzag_is_faster", "zigzag_is_slower_whole", "pairs_table",
-           "expected_bytes", "loss_gap", "cp_pairs_table"]
+__all__ = ["positions", "causal_pairs", "reference", "Traffic", "tiny_gpt2", "draw_splits", "every_method", "worst",
+           "expected_bytes", "traffic_table", "bytes_match", "pairs_table", "pairs_counted", "pairs_match",
+           "activation_runs", "tokens_per_rank", "act_bytes_per_rank", "loss_gap", "cp_pairs_table", "tiny_layout",
+           "chunked_ring", "split_timing", "zigzag_is_faster", "zigzag_is_slower_whole"]
 
 positions, causal_pairs, reference, Traffic = cp.positions, cp.causal_pairs, cp.reference, cp.Traffic
 BATCH, SEQ, WIDTH, HEADS, LAYERS, VOCAB = 2, 32, 32, 4, 2, 64   # the tiny GPT-2 of every_method
@@ -79,8 +80,8 @@ def _loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
 
-def _one_method(ctx: Any, reference: Any, ids: torch.Tensor, targets: torch.Tensor, method: str, split: str, ref_logits: torch.Tensor,
-                ref_grads: dict[str, torch.Tensor]) -> dict[str, float]:
+def _one_method(ctx: Any, reference: Any, ids: torch.Tensor, targets: torch.Tensor, method: str, split: str,
+                ref_logits: torch.Tensor, ref_grads: dict[str, torch.Tensor]) -> dict[str, float]:
     model = copy.deepcopy(reference)
     traffic = cpm.split_attention(model, method=method, split=split)
     pos = cp.positions(ids.shape[1], ctx.rank, ctx.world_size, split)
@@ -109,7 +110,8 @@ def _every_method_rank(ctx: Any, seq_len: int) -> dict[str, Any]:
     reference.zero_grad(set_to_none=True)
     out = {}
     for method, split in itertools.product(cp.METHODS, cp.SPLITS):
-        out[f"{method}/{split}"] = _one_method(ctx, reference, ids, targets, method, split, ref_logits.detach(), ref_grads)
+        out[f"{method}/{split}"] = _one_method(ctx, reference, ids, targets, method, split, ref_logits.detach(),
+                                               ref_grads)
     return out
 
 
