@@ -5,7 +5,7 @@
     got = cpx.every_method(world=2)               # the tiny GPT-2, every method x split, against one process
     cpx.worst(got, "logits"), cpx.bytes_match(got), cpx.pairs_match(got)
     timed = cpx.split_timing(1024)                # a metered launch: ring attention, contiguous vs zigzag
-    claims.gated("zigzag's step is faster", cpx.zigzag_is_faster(1.05), timed)
+    claims.gated("zigzag's step is faster", cpx.zigzag_is_faster(), timed)
 
 Each launch runs every rank against one process's whole-sequence model on the same rank, so every rank is compared,
 not only rank 0. The lesson imports only this module for the inside of labkit (labkit.training stays hidden); the
@@ -301,9 +301,10 @@ def split_timing(seq_len: int = 1024, *, heads: int = 2, head_dim: int = 64, rep
                  runs_root: Any = None):
     """A metered 2-rank launch timing ring attention's step, whole-block and chunked skipping, under each split
     (median of `reps`). .value: {"seconds": {"code/split": s}, "pairs": {"code/split": [per rank]}, "error": the
-    largest output difference from one process over both ranks}. Measured on quiet cores at these defaults, six
-    launches: chunked zigzag 1.14-1.30x faster than chunked contiguous, whole-block zigzag 1.28-1.46x slower (at 512
-    tokens and 4 heads the chunked ratio ranged 0.85-1.29: too little work per chunk pair to tell)."""
+    largest output difference from one process over both ranks}. Measured on quiet cores at these defaults, about
+    fifteen launches: chunked zigzag 1.07-1.30x faster than chunked contiguous (ideal 1.4: 5 chunk pairs against
+    7, less the fixed cost of each step), whole-block zigzag 1.24-1.53x slower. At 512 tokens and 4 heads the
+    chunked ratio ranged 0.85-1.29: too little work per chunk pair to tell."""
     def measure() -> dict[str, Any]:
         run = launch(lambda ctx: _split_timing_rank(ctx, seq_len, heads, head_dim, reps), world_size=2,
                      timeout=60, echo=False, progress=False, name="cp-split-timing", runs_root=runs_root)
@@ -322,7 +323,7 @@ def zigzag_is_slower_whole(factor: float = 1.1) -> Callable[[Any], str]:
     return check
 
 
-def zigzag_is_faster(factor: float = 1.2) -> Callable[[Any], str]:
+def zigzag_is_faster(factor: float = 1.0) -> Callable[[Any], str]:
     """Gated check: with the hidden chunks skipped, zigzag's ring-attention step is over `factor` x faster than
     contiguous's at 2 ranks."""
     def check(timed: Any) -> str:
