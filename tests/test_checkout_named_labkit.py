@@ -33,6 +33,8 @@ def test_the_path_sensitive_tests_pass_in_a_checkout_named_labkit(tmp_path):
     where = subprocess.run([sys.executable, "-c", "import labkit; print(labkit.__file__)"], cwd=checkout, env=env,
                            capture_output=True, text=True, check=True).stdout.strip()
     assert where == str(checkout / "labkit" / "__init__.py")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", *PATH_SENSITIVE], cwd=checkout, env=env,
-                            capture_output=True, text=True, timeout=280)
+    # Plugins by name only: autoloading them all imports nbmake's Jupyter stack, 4 s here, for nothing
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "pytest_timeout", *PATH_SENSITIVE],
+                            cwd=checkout, env={**env, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}, capture_output=True,
+                            text=True, timeout=280)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]

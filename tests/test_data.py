@@ -185,7 +185,8 @@ def test_the_gated_checks_assert_on_the_split_table_and_say_what_they_measured(m
     assert loading.busy_above(0.9)(None) == "1.00 cores busy"
     assert loading.ratio_below("t_data_ms", 0.75)(None) == "t_data_ms 0.40x"
     assert loading.ratio_above("t_step_ms", 0.5)(None) == "t_step_ms 0.53x"
-    for check in (loading.busy_below(1.5), loading.busy_above(1.5), loading.ratio_below("t_step_ms", 0.5),
+    assert loading.busy_gain_below(1.0)(None) == "+0.90 cores busy (1.00 -> 1.90)"
+    for check in (loading.busy_below(1.5), loading.busy_gain_below(0.5), loading.busy_above(1.5), loading.ratio_below("t_step_ms", 0.5),
                   loading.ratio_above("t_data_ms", 0.5)):
         with pytest.raises(AssertionError):
             check(None)

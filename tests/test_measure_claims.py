@@ -103,14 +103,15 @@ def test_make_test_prints_the_count_at_the_end(tmp_path):
     test = tmp_path / "test_fake_lesson.py"
     test.write_text("from labkit.measure.claims import gated, not_checked\n"
                     "class M:\n    others = 3.0\n    def again(self):\n        return M()\n"
-                    "def test_lesson():\n    gated('busy claim', lambda m: None, M(), attempts=2)\n"
+                    "def test_lesson():\n    gated('busy claim', lambda m: None, M(), attempts=2, wait=lambda limit: 3.0)\n"
                     "    gated('quiet claim', lambda m: None, M(), others=lambda m: 0.0)\n"
                     "    not_checked('py-spy claim', 'ptrace is not permitted here')\n")
     (tmp_path / "conftest.py").write_text(Path(__file__).with_name("conftest.py").read_text())
     (tmp_path / "claims_floor.json").write_text(Path(__file__).with_name("claims_floor.json").read_text())
     log = tmp_path / "claims.jsonl"
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)], cwd=tmp_path,
-                         capture_output=True, text=True, env={**os.environ, claims.LOG_ENV: str(log)})
+                         capture_output=True, text=True,   # no plugin autoload: nbmake and playwright cost 6 s here
+                         env={**os.environ, claims.LOG_ENV: str(log), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
     assert out.returncode == 0, out.stdout + out.stderr
     assert "gated claims: 1 checked, 2 skipped" in out.stdout
     assert "SKIPPED: busy claim" in out.stdout and "SKIPPED: py-spy claim -- ptrace is not permitted" in out.stdout

@@ -11,7 +11,7 @@ picture, the cost of restarting workers, and the simplest model of workers shari
 The lesson's claims, each in one line: what a DistributedSampler and a DataLoader did inside a function the
 learner launched (shards_cover_once, epoch_orders, made_by_workers, worker_pids: a rank returns the list of
 (epoch, sample index, pid of the process that made it) it saw), and the checks handed to the speed gate, made
-for a column and a bound (busy_below, busy_above, ratio_below, ratio_above, restarts_cost, persistent_pays_once):
+for a column and a bound (busy_below, busy_gain_below, busy_above, ratio_below, ratio_above, restarts_cost, persistent_pays_once):
 
     claims.gated("2 workers cut t_data below 0.75x", ratio_below("t_data_ms", 0.75), timed.only([0, 2]))
 
@@ -168,6 +168,18 @@ def busy_below(limit: float) -> Callable[[Any], str]:
         busy = split_table(timed)["cores busy"]
         assert (busy < limit).all(), f"cores busy {busy.round(2).tolist()}, not all under {limit:g}"
         return f"{busy.max():.2f} cores busy"
+    return check
+
+
+def busy_gain_below(limit: float) -> Callable[[Any], str]:
+    """A gated check: every setting after the first kept fewer than `limit` more cores busy than the first. One
+    DataLoader worker is one process with one thread (the loader sets it so): it can add at most one core."""
+    def check(timed: Any) -> str:
+        busy = split_table(timed)["cores busy"]
+        gain = busy.iloc[1:] - busy.iloc[0]
+        assert (gain < limit).all(), f"cores busy {busy.round(2).tolist()}: {gain.round(2).tolist()} more, not all " \
+                                     f"under {limit:g}"
+        return f"+{gain.max():.2f} cores busy ({busy.iloc[0]:.2f} -> {busy.iloc[1:].max():.2f})"
     return check
 
 
