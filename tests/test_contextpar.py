@@ -15,39 +15,41 @@ from labkit.tricks import contextpar as cpx
 S, H, D = 32, 2, 8
 
 
-def chunked_against_one_process(ctx):
-    """Each split: the chunked ring's rows and q/k/v gradients against one process's attention; its pairs and
-    skipped chunk pairs."""
+def scores_per_split(ctx):
+    """Each split and skip: labkit's ring attention's largest error against one process (rows and q/k/v gradients),
+    the pairs the mask let this rank see and the scores it computed."""
     gen = torch.Generator().manual_seed(3)
     full = [torch.randn(1, H, S, D, generator=gen) for _ in range(4)]
     leaves = [t.clone().requires_grad_() for t in full[:3]]
     cpx.reference(*leaves).backward(full[3])
     out = {}
-    for split in ("contiguous", "zigzag"):
+    for split, skip in (("contiguous", "chunks"), ("zigzag", "chunks"), ("zigzag", "blocks")):
         pos = cpx.positions(S, ctx.rank, ctx.world_size, split)
         mine = [t.index_select(2, pos).requires_grad_() for t in full[:3]]
         stats = cpx.Traffic()
-        got = cpx.chunked_ring(*mine, pos, split, stats)
+        got = cpx.CODES["chunked" if skip == "chunks" else "whole blocks"](*mine, pos, split=split, stats=stats)
         got.backward(full[3].index_select(2, pos))
         want = cpx.reference(*full[:3]).index_select(2, pos)
         grads = max((a.grad - b.grad.index_select(2, pos)).abs().max().item() for a, b in zip(mine, leaves))
-        out[split] = {"error": max((got - want).abs().max().item(), grads), "pairs": stats.pairs,
-                      "skipped": stats.blocks_skipped}
+        out[split, skip] = {"error": max((got - want).abs().max().item(), grads), "pairs": stats.pairs,
+                            "scores": stats.scores}
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_the_chunked_ring_equals_one_process_and_skips_the_hidden_chunks(world, runs_root, no_leftovers):
-    run = labkit.launch(chunked_against_one_process, world_size=world, timeout=60, runs_root=runs_root, echo=False)
-    for rank in range(world):
-        for split, got in run.result(rank).items():
-            assert got["error"] < 1e-5, (rank, split, got)
-            assert got["pairs"] == H * cpx.causal_pairs(S, world, split)[rank], (rank, split, got)
-    # 2 ranks, 4 chunks, 8 (query chunk, key chunk) pairs per rank. zigzag: rank 0 (chunks 0, 3) computes (0,0),
-    # (3,0..3), rank 1 (chunks 1, 2) computes (1,0), (1,1), (2,0..2): 5 each. contiguous: 3 and 7.
-    if world == 2:
-        assert [8 - run.result(r)["zigzag"]["skipped"] for r in (0, 1)] == [5, 5]
-        assert [8 - run.result(r)["contiguous"]["skipped"] for r in (0, 1)] == [3, 7]
+def test_skipping_hidden_chunks_evens_zigzags_work_and_skipping_blocks_does_not(runs_root, no_leftovers):
+    run = labkit.launch(scores_per_split, world_size=2, timeout=60, runs_root=runs_root, echo=False)
+    got = [run.result(rank) for rank in (0, 1)]
+    for rank, mine in enumerate(got):
+        for (split, skip), value in mine.items():
+            assert value["error"] < 1e-5, (rank, split, skip, value)
+            assert value["pairs"] == H * cpx.causal_pairs(S, 2, split)[rank], (rank, split, skip, value)
+    chunk = (S // 4) ** 2 * H   # the scores of one (query chunk, key chunk) pair: 4 chunks of 8 positions
+    # contiguous: rank 0 (chunks 0, 1) computes (0,0), (1,0), (1,1); rank 1 (chunks 2, 3) those of its own and all
+    # four of rank 0's keys: 3 and 7. zigzag, hidden chunk pairs left out: rank 0 (chunks 0, 3) (0,0), (3,0..3),
+    # rank 1 (chunks 1, 2) (1,0), (1,1), (2,0..2): 5 each. Whole blocks only: none is hidden whole, 8 each.
+    assert [g["contiguous", "chunks"]["scores"] for g in got] == [3 * chunk, 7 * chunk]
+    assert [g["zigzag", "chunks"]["scores"] for g in got] == [5 * chunk, 5 * chunk]
+    assert [g["zigzag", "blocks"]["scores"] for g in got] == [8 * chunk, 8 * chunk]
 
 
 def fake_got(world: int, sent_wrong: bool = False, pairs_wrong: bool = False) -> dict:

@@ -24,6 +24,9 @@ Per step and rank it records (records.py has the file layout):
                 first strategies.COUNTED_STEPS steps; there, strategies other than "ddp" also count collectives by
                 kind (n_all_reduce, n_all_gather, ...), and leave allreduces / comm_bytes empty after (parallel/strategies.py)
     accuracy / eval_accuracy on tasks that have them; eval_loss, eval_loss_rank under schedule="plateau"
+    cp_bytes, cp_pairs, cp_scores, cp_blocks_skipped   context_parallel > 1: bytes this rank sent in forward for
+                attention, the (query, key) pairs the causal mask let it see, the scores it computed (its work),
+                blocks the mask hid whole (parallel/context_model.py)
 """
 from __future__ import annotations
 

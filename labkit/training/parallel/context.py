@@ -9,14 +9,16 @@
 Every rank must call with the same method, split and shapes. Gradients flow through all three (autograd):
 - ring: K and V travel round the ring, one block per step (torch's P2P ops through a differentiable shift whose
   backward sends the gradient the other way round); each block's output is merged into the running one by its
-  log-sum-exp. A rank sends 2(N-1) K/V blocks forward. Blocks that the causal mask hides entirely are skipped.
+  log-sum-exp. A rank sends 2(N-1) K/V blocks forward. What the causal mask hides is left out: every pair of
+  position runs it hides whole (skip="chunks"), or only whole blocks (skip="blocks", the slower way, for lessons).
 - allgather: K and V gathered whole (backward: reduce-scatter), every rank attends to all of it.
 - ulysses: an all-to-all turns sequence shards into head shards (each rank gets every position of H/N heads), plain
   attention runs there, and a second all-to-all turns the output back; q, k, v and out each send (N-1)/N of
   themselves. Needs heads divisible by N.
 
 Splits: "contiguous" gives rank r the r-th slice, which under a causal mask leaves the last rank most of the (query,
-key) pairs; "zigzag" gives rank r chunks r and 2N-1-r of 2N, which evens the pairs out exactly.
+key) pairs; "zigzag" gives rank r chunks r and 2N-1-r of 2N, which evens the pairs out exactly (and the work, when
+the hidden chunk pairs are left out: no zigzag block is hidden whole at 2 ranks).
 torch 2.13's own context_parallel() does not run causal attention on CPU (no sharding rule for the CPU flash op),
 hence these; they are written to be read, not to be fast.
 """
@@ -31,15 +33,18 @@ import torch.distributed.nn.functional as dist_fn
 
 METHODS = ("ring", "allgather", "ulysses")
 SPLITS = ("contiguous", "zigzag")
-MASKED = -1e30   # a hidden score: finite, so that a row with nothing visible in a block gives no NaN in backward
+SKIPS = ("chunks", "blocks")   # what the causal mask lets a rank leave out: see block()
+MASKED = -1e30   # the log-weight of rows that see nothing in a block: finite, so that merges give no NaN
 
 
 @dataclasses.dataclass
 class Traffic:
-    """What one rank did for attention in forward: bytes it sent, (query, key) pairs it computed, blocks it skipped.
+    """What one rank did for attention in forward: bytes it sent, (query, key) pairs the mask let it see, scores it
+    computed (those pairs and the masked ones computed beside them: the work), blocks it skipped whole.
     (Backward sends as much again, the gradients of what forward sent, the other way.)"""
     bytes_sent: int = 0
     pairs: int = 0
+    scores: int = 0
     blocks_skipped: int = 0
 
 
@@ -74,21 +79,68 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     return scores.softmax(-1) @ v
 
 
-def block(q, k, v, q_pos, k_pos, causal, stats: Traffic | None):
-    """One block of attention: (out, lse) of q against k/v, or None when the causal mask hides the whole block."""
-    visible = q_pos[:, None] >= k_pos[None, :] if causal else None
-    if visible is not None and not bool(visible.any()):
+def block(q, k, v, q_pos, k_pos, causal, stats: Traffic | None, skip: str = "chunks", chunk: int = 0):
+    """One block of attention: (out, lse) of q against k/v, or None when the causal mask hides the whole block.
+
+    skip="chunks" cuts q and k into runs of consecutive positions, also at every multiple of `chunk` (attention
+    passes the zigzag chunk, seq_len / 2N, for both splits), and leaves out every (query run, key run) pair the mask
+    hides whole; skip="blocks" leaves out hidden blocks only, and computes a partly hidden block whole under its
+    mask. At 2 ranks no zigzag block is hidden whole: skipping blocks only, zigzag's even share of pairs is not an
+    even share of work."""
+    if skip not in SKIPS:
+        raise ValueError(f"skip = {skip!r}: must be one of {SKIPS}")
+    if causal and not bool((q_pos[:, None] >= k_pos[None, :]).any()):
         if stats is not None:
             stats.blocks_skipped += 1
         return None
+    if not causal or skip == "blocks":
+        return _dense(q, k, v, q_pos, k_pos, causal, stats)
+    rows = []
+    for qs in _runs(q_pos, chunk):
+        acc = None
+        for ks in _runs(k_pos, chunk):
+            if int(q_pos[qs.stop - 1]) >= int(k_pos[ks.start]):      # the run's last query sees the run's first key
+                acc = merge(acc, _dense(q[..., qs, :], k[..., ks, :], v[..., ks, :], q_pos[qs], k_pos[ks], True,
+                                        stats))
+        if acc is None:   # these queries see nothing here: no output, and a weight of exp(MASKED) = 0 in merges
+            rows_here = qs.stop - qs.start
+            acc = q.new_zeros(*q.shape[:-2], rows_here, v.shape[-1]), q.new_full((*q.shape[:-2], rows_here, 1), MASKED)
+        rows.append(acc)
+    if len(rows) == 1:
+        return rows[0]
+    return torch.cat([r[0] for r in rows], -2), torch.cat([r[1] for r in rows], -2)
+
+
+def _runs(pos: torch.Tensor, chunk: int = 0) -> list[slice]:
+    """The runs of consecutive positions in `pos`, cut also where a position is a multiple of `chunk` (0: nowhere):
+    _runs(tensor([0, 1, 6, 7])) -> [slice(0, 2), slice(2, 4)];  _runs(arange(4), 2) -> [slice(0, 2), slice(2, 4)]."""
+    starts = pos[1:] != pos[:-1] + 1
+    if chunk:
+        starts |= pos[1:] % chunk == 0
+    cuts = [0] + [i + 1 for i in torch.nonzero(starts).flatten().tolist()] + [pos.numel()]
+    return [slice(a, b) for a, b in zip(cuts, cuts[1:])]
+
+
+def _dense(q, k, v, q_pos, k_pos, causal, stats: Traffic | None):
+    """(out, lse) of q against all of k/v, the causal mask applied where it hides part of the block."""
+    visible = q_pos[:, None] >= k_pos[None, :] if causal else None
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    empty = None
     if visible is not None and not bool(visible.all()):
-        scores = scores.masked_fill(~visible, MASKED)
+        # Hidden scores are -inf: exp(-inf) is fast, while exp of a finite score far below -87 (it underflows) takes
+        # CPU's slow path, 7-20x slower. A row that sees nothing here (a partly hidden block under skip="blocks")
+        # keeps finite scores instead (-inf everywhere would give NaN, in backward too); its output is zeroed.
+        empty = ~visible.any(-1, keepdim=True)
+        scores = scores.masked_fill(~visible & ~empty, float("-inf"))
     if stats is not None:
         per_head = int(visible.sum()) if visible is not None else q.shape[-2] * k.shape[-2]
         stats.pairs += per_head * q.shape[0] * q.shape[1]
+        stats.scores += q.shape[-2] * k.shape[-2] * q.shape[0] * q.shape[1]
     lse = scores.logsumexp(-1, keepdim=True)
-    return (scores - lse).exp() @ v, lse
+    out = (scores - lse).exp() @ v
+    if empty is not None and bool(empty.any()):
+        out, lse = out.masked_fill(empty, 0.0), lse.masked_fill(empty, MASKED)
+    return out, lse
 
 
 def merge(acc, new):
@@ -161,18 +213,21 @@ def _all_to_all(x: torch.Tensor, group, stats: Traffic | None) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, *, method: str = "ring",
-              split: str = "contiguous", causal: bool = True, group=None, stats: Traffic | None = None) -> torch.Tensor:
+              split: str = "contiguous", causal: bool = True, group=None, stats: Traffic | None = None,
+              skip: str = "chunks") -> torch.Tensor:
     """This rank's rows of attention over the whole sequence; q, k, v hold the positions `pos` ([b, h, local, d]).
 
         out = attention(q, k, v, positions(S, rank, world, "zigzag"), method="ulysses", split="zigzag")
 
     split: the split `pos` came from: every method needs to know which positions the other ranks hold (at 2 ranks
-    zigzag's rank 1 holds one run of positions, so it cannot be told from `pos`)."""
+    zigzag's rank 1 holds one run of positions, so it cannot be told from `pos`). skip: what the causal mask lets
+    a rank leave out, "chunks" (every hidden pair of position runs) or "blocks" (hidden blocks only): see block()."""
     if method not in METHODS:
         raise ValueError(f"method = {method!r}: must be one of {METHODS}")
     n, me = dist.get_world_size(group), dist.get_rank(group)
     seq_len = pos.numel() * n
     held = [positions(seq_len, r, n, split) for r in range(n)]
+    chunk = seq_len // (2 * n) if seq_len % (2 * n) == 0 else 0   # the zigzag chunk: skipping's unit, both splits
     if not torch.equal(held[me], pos):
         raise ValueError(f"rank {me}: pos is not what the {split} split gives this rank of {n}")
     if method == "ring":
@@ -182,7 +237,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tens
         acc, kv, last = None, torch.stack((k, v)), None
         for step in range(n):
             source = (me - step) % n                        # whose block this rank holds now
-            last = block(q, kv[0], kv[1], pos, held[source], causal, stats)
+            last = block(q, kv[0], kv[1], pos, held[source], causal, stats, skip, chunk)
             acc = merge(acc, last)
             if step < n - 1:
                 kv = _Shift.apply(kv, ranks, me, stats)
@@ -192,7 +247,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tens
         return out if last is not None else out + 0 * kv.sum()
     if method == "allgather":
         kv_all = _GatherSeq.apply(torch.stack((k, v)).flatten(0, 1), group, stats).unflatten(0, (2, k.shape[0]))
-        return block(q, kv_all[0], kv_all[1], pos, torch.cat(held), causal, stats)[0]
+        return block(q, kv_all[0], kv_all[1], pos, torch.cat(held), causal, stats, skip, chunk)[0]
     heads = q.shape[1]
     if heads % n:
         raise ValueError(f"ulysses over {n} ranks needs a head count divisible by {n}; the model has {heads} heads "
@@ -202,6 +257,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tens
     got = _all_to_all(qkv, group, stats)                    # [n sources, 3, b, h/n, s, d]: every position, h/n heads
     q_h, k_h, v_h = got.permute(1, 2, 3, 0, 4, 5).reshape(3, b, heads // n, n * s, d)
     full_pos = torch.cat(held)
-    out = block(q_h, k_h, v_h, full_pos, full_pos, causal, stats)[0]
+    out = block(q_h, k_h, v_h, full_pos, full_pos, causal, stats, skip, chunk)[0]
     back = out.reshape(b, heads // n, n, s, d).permute(2, 0, 1, 3, 4)   # [n, b, h/n, s, d]: block j to rank j
     return _all_to_all(back, group, stats).transpose(0, 1).reshape(b, heads, s, d)

@@ -96,7 +96,8 @@ class ContextShare:
     """A task whose batches are sliced over the data-parallel ranks (rank // degree) and, inside one context group,
     along the sequence: each rank gets its positions of every sample, and the loss passes them as position_ids.
     Its loss's extras carry the step's attention traffic: cp_bytes (bytes this rank sent in forward for
-    attention), cp_pairs ((query, key) pairs it computed), cp_blocks_skipped (blocks the causal mask hid)."""
+    attention), cp_pairs ((query, key) pairs the causal mask let it see), cp_scores (scores it computed, masked ones
+    included: its work), cp_blocks_skipped (blocks the causal mask hid whole)."""
 
     def __init__(self, inner: Any, degree: int, split: str, traffic: cp.Traffic, rank: int):
         self.inner, self.degree, self.split, self.traffic, self.rank = inner, degree, split, traffic, rank
@@ -118,6 +119,7 @@ class ContextShare:
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
         now, start = self.traffic, self._start
         return loss, {"cp_bytes": now.bytes_sent - start.bytes_sent, "cp_pairs": now.pairs - start.pairs,
+                      "cp_scores": now.scores - start.scores,
                       "cp_blocks_skipped": now.blocks_skipped - start.blocks_skipped}
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
