@@ -153,3 +153,10 @@ def test_the_recorded_pairs_are_set_beside_the_causal_count():
     assert (table.iloc[:, 0] == table.iloc[:, 1]).all() and table.iloc[0, 1] < table.iloc[1, 1]
     wrong = cpx.cp_pairs_table(fake_run(cfg, 1, [1.0], cp_pairs=want[::-1] * 2))
     assert not (wrong.iloc[:, 0] == wrong.iloc[:, 1]).all()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_method_gives_one_process_logits_and_gradients_of_the_tiny_gpt2(world, runs_root, no_leftovers):
+    got = cpx.every_method(world=world, runs_root=runs_root)   # every rank, every method, both splits
+    assert cpx.worst(got, "logits") < 1e-5 and cpx.worst(got, "grads") < 1e-5, got["rows"]   # measured ~1e-7
+    assert cpx.bytes_match(got) and cpx.pairs_match(got), got["rows"]
