@@ -215,3 +215,17 @@ def test_pytorch_says_so_when_there_is_nothing_to_pin_for_and_warns_of_too_many_
     run = type("Run", (), {"log": lambda self, rank: log})()
     assert loading.worker_warning(run).startswith("This DataLoader will create 3 worker processes")
     assert loading.worker_warning(type("Run", (), {"log": lambda self, rank: "quiet"})()) == ""
+
+
+def test_the_digits_table_is_sklearns_load_digits_read_without_importing_sklearn():
+    import subprocess
+    import sys
+    code = ("import sys; from labkit.training.data import digits_table; p, l = digits_table(); "
+            "print(p.shape, l.shape, 'sklearn' in sys.modules)")
+    said = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert said.strip() == "(1797, 64) (1797,) False"
+    from sklearn.datasets import load_digits
+    from labkit.training.data import digits_table
+    pixels, labels = digits_table()
+    digits = load_digits()
+    assert (pixels == digits.data).all() and (labels == digits.target).all()

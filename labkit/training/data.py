@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import time
 from functools import lru_cache
-from typing import Iterator
+from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 from torch.nn import functional as F
@@ -69,13 +70,31 @@ def epoch_order(seed: int, n: int, epoch: int) -> torch.Tensor:
 @lru_cache(maxsize=1)
 def digits_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x_train, y_train, x_test, y_test): sklearn's digits scaled to [0, 1], split 1437/360 by a fixed shuffle."""
-    from sklearn.datasets import load_digits
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target, dtype=torch.long)
+    pixels, labels = digits_table()
+    x = torch.tensor(pixels, dtype=torch.float32) / 16.0
+    y = torch.tensor(labels, dtype=torch.long)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     train, test = order[:1437], order[1437:]
     return x[train], y[train], x[test], y[test]
+
+
+def digits_table() -> tuple[Any, Any]:
+    """(pixels [1797, 64], labels [1797]) as numpy arrays: the CSV bundled with scikit-learn, read directly. Its
+    load_digits reads the same file, but importing sklearn costs about 2 s of CPU in every fresh rank process (a
+    torchrun worker, each restart of one); finding the file does not import it."""
+    import gzip
+    import importlib.util
+
+    import numpy as np
+    spec = importlib.util.find_spec("sklearn")
+    path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec and spec.origin else None
+    if path is None or not path.exists():   # another layout: ask sklearn itself
+        from sklearn.datasets import load_digits
+        data = load_digits()
+        return data.data, data.target
+    with gzip.open(path, "rt") as f:
+        table = np.loadtxt(f, delimiter=",")
+    return table[:, :-1], table[:, -1].astype(int)
 
 
 def sample_work(image: torch.Tensor, seed: int, position: int, cost_ms: float) -> torch.Tensor:
