@@ -21,6 +21,7 @@ The package, from the ground up (each room imports only from the rooms before it
     cli.py                  python -m labkit ...
 """
 import importlib
+import logging
 import sys
 from pathlib import Path
 
@@ -107,6 +108,25 @@ def _import_the_rest() -> None:
     globals()["_warm"] = warm
     warm.start_on_import()
 
+
+class _CpuOnlyNoise:
+    """A logging filter for two messages torchao 0.18 (the fp8 extra) logs on a CPU-only host whenever transformers
+    imports it, i.e. in every rank that builds a model: its GPU kernels' .so files that cannot load here ("Failed to
+    load .../torchao/_C_...so"), and torch's deprecation note on two of its Enums ("is an Enum subclass and is now
+    natively supported by torch.compile"). Neither changes what runs on CPU; on a host with CUDA both still show."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        noise = ((text.startswith("Failed to load ") and "/torchao/_C" in text)
+                 or ("is an Enum subclass and is now natively supported by torch.compile" in text))
+        if not noise:
+            return True
+        cuda = sys.modules.get("torch.cuda")
+        return bool(cuda is not None and cuda.is_available())
+
+
+for _logger in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_logger).addFilter(_CpuOnlyNoise())
 
 if not _for_the_command_line():
     _import_the_rest()

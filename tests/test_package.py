@@ -123,3 +123,20 @@ def test_help_and_version_import_no_torch_and_print_no_markdown(args):
     assert not heavy, f"`python -m labkit {' '.join(args)}` imported {sorted(set(heavy))}"
     assert "`" not in done.stdout
     assert done.stdout.startswith("usage: labkit") or done.stdout.strip() == f"labkit {VERSION}"
+
+
+def test_torchao_installed_adds_no_noise_to_a_process_that_builds_a_model():
+    """transformers imports torchao (the fp8 extra) with its modeling code, so every rank would log torchao's GPU
+    kernels that cannot load on a CPU-only host and torch's note on two of its Enums; labkit's filter drops exactly
+    those two messages (labkit/__init__.py) and nothing else on the same loggers."""
+    import importlib.util
+    if importlib.util.find_spec("torchao") is None:
+        pytest.skip("torchao is not installed (pip install -e '.[fp8]')")
+    code = ("import logging, labkit, torch\nfrom transformers import GPT2LMHeadModel\nimport sys\n"
+            "assert 'torchao' in sys.modules\n"
+            "logging.getLogger('torchao').warning('Failed to load /x/torchao/_C_demo.so: gone')\n"
+            "logging.getLogger('torchao').warning('a torchao warning that matters')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Failed to load" not in done.stderr and "Enum subclass" not in done.stderr, done.stderr[-3000:]
+    assert "a torchao warning that matters" in done.stderr

@@ -79,7 +79,7 @@ def test_a_click_runs_exactly_the_values_set_on_the_widgets(runs_root, no_leftov
     assert panel.table.ticked() == [run.path]              # the new run is ticked, and drawn
     assert panel.figure.value[:4] == b"\x89PNG"
     assert not panel.run_button.disabled and panel.stop_button.disabled
-    assert panel.jobs[0].progress._bar.value == expected.steps
+    assert panel.jobs[0].progress.bar.value == expected.steps
 
 
 def test_stop_ends_the_run_mid_way_and_leaves_no_process(runs_root, no_leftovers):
@@ -92,9 +92,9 @@ def test_stop_ends_the_run_mid_way_and_leaves_no_process(runs_root, no_leftovers
             time.sleep(0.05)
         assert job.run_dir is not None, "the run never started"
         # the bar follows the run while it goes; its thread also redraws the live figure, which a busy machine slows
-        while job.progress._bar.value < 2 and time.monotonic() < deadline:
+        while job.progress.bar.value < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert job.progress._bar.value >= 2
+        assert job.progress.bar.value >= 2
     except AssertionError:
         job.stop.set()  # a 100 000-step run left going would load every later test of this session
         panel.wait(timeout=30)
@@ -106,7 +106,7 @@ def test_stop_ends_the_run_mid_way_and_leaves_no_process(runs_root, no_leftovers
     assert run.meta["outcome"] == "stopped"
     assert 2 <= len(run.steps()) < 100_000
     assert "stopped after" in panel.status.value
-    assert job.progress._bar.bar_style == "danger"
+    assert job.progress.bar.bar_style == "danger"
     assert not leftover_processes()
 
 

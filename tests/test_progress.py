@@ -15,12 +15,12 @@ def test_eta_counts_from_the_first_recorded_step():
 CELLS = [
     "import labkit\nfrom labkit.view.progress import Progress\n"
     "bar = Progress('demo', total_steps=10, world_size=2)\nbar.update([-1, -1])\nbar.update([3, 4])",
-    "assert bar._bar.value == 4 and bar._bar.max == 10, bar._bar.value\n"
+    "assert bar.bar.value == 4 and bar.bar.max == 10, bar.bar.value\n"
     "assert 'step 4/10' in bar.text and '4 · 5 per rank' in bar.text, bar.text\n"
-    "bar.close(ok=False); assert bar._bar.bar_style == 'danger'",
+    "bar.close(ok=False); assert bar.bar.bar_style == 'danger'",
     "run = labkit.launch(labkit.RunConfig(world_size=2, steps=4, tensorboard=False, save_final=False), echo=False,"
     " runs_root=RUNS)",
-    "import ipywidgets\nbars = [w for w in ipywidgets.Widget.widgets.values() if isinstance(w, ipywidgets.IntProgress)]\n"
+    "import ipywidgets\nbars = [w for w in ipywidgets.Widget.widgets.values() if isinstance(w, ipywidgets.FloatProgress)]\n"
     "assert (bars[-1].value, bars[-1].max, bars[-1].bar_style) == (4, 4, 'success'), bars[-1]",
 ]
 
@@ -33,3 +33,19 @@ def test_a_notebook_launch_shows_a_widget_bar(tmp_path):
     widget_views = [out for out in nb.cells[-2].outputs
                     if "application/vnd.jupyter.widget-view+json" in out.get("data", {})]
     assert len(widget_views) == 1, nb.cells[-2].outputs
+
+
+def test_the_bar_is_tqdms_and_its_clock_starts_at_the_first_recorded_step():
+    from labkit.view.progress import Progress
+    bar = Progress("demo", total_steps=10, world_size=2, enabled=False)
+    box = bar.widget()                        # the panel's way: tqdm's notebook container, not shown
+    bar.update([-1, -1])                      # ranks still starting: nothing done, no clock yet
+    assert bar.bar.value == 0 and bar._tqdm.initial == 0
+    bar.update([2, 3])                        # first record: 3 steps done by the slowest rank
+    assert (bar.bar.value, bar._tqdm.initial, bar._tqdm.total) == (3, 3, 10)
+    bar.update([5, 4])
+    shown = bar._tqdm.format_dict
+    assert (shown["n"], shown["initial"]) == (5, 3)    # tqdm's rate: (n - initial) / seconds since that record
+    assert "per rank 6 · 5" in str(bar._tqdm) and box.children[1] is bar.bar
+    bar.close(ok=True)
+    assert bar.bar.bar_style == "success"

@@ -1,14 +1,15 @@
-"""How far a launch has got: steps done over steps total, per rank, with the time left.
+"""How far a launch has got: steps done over steps total, per rank, with the time left, drawn by tqdm.
 
     bar = Progress("tinylm w2", total_steps=40, world_size=2)
     bar.update([11, 12])      # last step each rank recorded (-1 before its first)
     bar.close(ok=True)
 
-In a notebook it is an ipywidgets bar with a line of text beside it; in a terminal a line redrawn on stderr;
-elsewhere (pytest, CI logs) nothing. A run whose length is unknown (a plain function) shows steps per rank only.
-A larger display (the control panel) takes the bar with `bar.widget()` and shows it itself; update() fills it in.
-The estimate of the time left counts from the first recorded step, so the seconds spent starting the ranks do not
-make the first steps look slow.
+In a notebook it is tqdm's widget bar (tqdm.notebook); in a terminal tqdm's line redrawn on stderr; elsewhere
+(pytest, CI logs) nothing. A run whose length is unknown (a plain function) shows steps per rank only. A larger
+display (the control panel) takes the bar with `bar.widget()` and shows it itself; update() fills it in.
+The rate, and so the time left, counts from the first recorded step, so the seconds spent starting the ranks do not
+make the first steps look slow: the bar restarts its clock there with `initial` set to the steps already done
+(tqdm's own rate is (n - initial) / elapsed with smoothing=0, the same as eta_seconds).
 """
 from __future__ import annotations
 
@@ -38,26 +39,42 @@ class Progress:
         self.terminal = enabled and not self.notebook and sys.stderr.isatty()
         self.started = time.time()
         self._first: tuple[int, float] | None = None  # (steps done, time) at the first recorded step
-        self._bar = self._text = self._box = None
+        self._tqdm: Any = None
+        self.done = 0
         self.text = ""
+
+    @property
+    def bar(self) -> Any:
+        """The ipywidgets progress bar inside tqdm's notebook widget (None in a terminal or before it is made)."""
+        container = getattr(self._tqdm, "container", None)
+        return None if container is None else container.children[1]
 
     def update(self, recorded: list[int]) -> None:
         done_per_rank = [step + 1 for step in recorded]
         done, now = min(done_per_rank), time.time()
-        if self._first is None and done > 0:
+        first = self._first is None and done > 0
+        if first:
             self._first = (done, now)
+        self.done = done
         self.text = self._describe(done, done_per_rank, now)
-        if self.notebook or self._box is not None:
-            self._draw_widget(done)
-        elif self.terminal:
-            sys.stderr.write("\r" + self.text)
-            sys.stderr.flush()
+        bar = self._tqdm or self._make(display=True)
+        if bar is None:
+            return
+        if first:  # the clock starts at the first recorded step, not at the launch
+            bar.reset()
+            bar.initial = bar.last_print_n = done
+        bar.n = min(done, self.total) if self.total else done
+        bar.set_postfix_str(f"per rank {' · '.join(str(d) for d in done_per_rank)}", refresh=False)
+        bar.refresh()
 
     def close(self, ok: bool = True) -> None:
-        if self._bar is not None:
-            self._bar.bar_style = "success" if ok else "danger"
-        if self.terminal:
-            sys.stderr.write("\n")
+        bar = self._tqdm
+        if bar is None:
+            return
+        widget = self.bar
+        bar.close()  # tqdm colours a notebook bar: 'success' when it reached its total, 'danger' short of it
+        if widget is not None:
+            widget.bar_style = "success" if ok else "danger"
 
     def _describe(self, done: int, per_rank: list[int], now: float) -> str:
         elapsed = f"{now - self.started:.1f} s"
@@ -69,18 +86,18 @@ class Progress:
         return f"{self.label}: step {done}/{self.total} ({ranks} per rank), {elapsed}{left}"
 
     def widget(self) -> Any:
-        """The bar and its text as one ipywidgets box, made once; the caller shows it (update() fills it in)."""
-        if self._box is None:
-            import ipywidgets
-            self._bar = ipywidgets.IntProgress(value=0, min=0, max=self.total or 1,
-                                               layout=ipywidgets.Layout(width="40%"))
-            self._text = ipywidgets.HTML()
-            self._box = ipywidgets.HBox([self._bar, self._text])
-        return self._box
+        """tqdm's notebook bar as one ipywidgets box, made once; the caller shows it (update() fills it in)."""
+        if self._tqdm is None:
+            self._make(display=False)
+        return self._tqdm.container
 
-    def _draw_widget(self, done: int) -> None:
-        if self._box is None:
-            from IPython.display import display
-            display(self.widget())
-        self._bar.value = min(done, self.total) if self.total else 0
-        self._text.value = f"<code>{self.text}</code>"
+    def _make(self, display: bool) -> Any:
+        """tqdm's bar for where it is shown: a notebook widget (shown now if `display`), a terminal line, or None."""
+        options = dict(total=self.total, desc=self.label, unit="step", smoothing=0, leave=True)
+        if self.notebook or not display:
+            from tqdm.notebook import tqdm as notebook_bar
+            self._tqdm = notebook_bar(display=display, **options)
+        elif self.terminal:
+            from tqdm.std import tqdm as terminal_bar
+            self._tqdm = terminal_bar(file=sys.stderr, **options)
+        return self._tqdm
