@@ -94,3 +94,48 @@ def test_make_book_executes_each_lesson_once_then_writes_the_index():
     lessons = [p.name for p in (ROOT / "notebooks").glob("*.ipynb") if not p.name.endswith(".blank.ipynb")]
     assert lessons and all(f"notebooks/{name}" in executing for name in lessons)
     assert ".blank.ipynb" not in executing
+
+
+def test_with_tracks_the_index_opens_with_the_map_and_each_track_with_times_and_prerequisites(tmp_path):
+    executed, site = tmp_path / "executed", tmp_path / "site"
+    executed.mkdir()
+    header = "{intro}\n\n**You need**: {need}\n\n**Time**: about {q} s in quick mode, {f} min at full size."
+    _executed(executed / "00_first.ipynb", "00 · First: runs", header.format(intro="One.", need="Python.", q=10, f=1),
+              [("labkit.compare([a])", _png("red"), [])])
+    _executed(executed / "01_second.ipynb", "01 · Second: more", header.format(intro="Two.", need="lesson 00.", q=20, f=2),
+              [("x = 1", None, [])])
+    _executed(executed / "02_third.ipynb", "02 · Third", header.format(intro="Three.", need="lesson 01.", q=30, f=3), [])
+    tracks = tmp_path / "tracks.json"
+    tracks.write_text(json.dumps({"tracks": [
+        {"id": "a", "name": "Track A", "goal": "you want A", "lessons": ["00", "01"], "assumes": []},
+        {"id": "b", "name": "Track B", "goal": "you want B", "lessons": ["02"], "assumes": ["01"]}]}))
+    course_map = tmp_path / "map.png"
+    course_map.write_bytes(_png("blue"))
+
+    page = book.build(executed, site, tmp_path / "no-readme.md", tracks, course_map).read_text()
+    assert (site / "figures" / "course_map.png").read_bytes() == course_map.read_bytes()
+    assert page.index('src="figures/course_map.png"') < page.index("Track A") < page.index("Track B")
+    assert "2 lessons, about 30 s in quick mode, 3 min at full size" in page        # 10 s + 20 s, 1 + 2 min
+    assert re.search(r'01 · Second</a> <span class="meta">20 s quick, 2 min full; needs <a href="#lesson-00">00</a>',
+                     page)
+    assert "It assumes <a href=\"#lesson-01\">01</a> (Second), from another track." in page
+    assert re.search(r'<div class="lesson" id="lesson-02"><h2><a href="02_third.html">02 · Third</a></h2>'
+                     r'<p class="meta">about 30 s in quick mode, 3 min at full size · needs <a href="#lesson-01">01</a>'
+                     r' · on Track B</p><p>Three.</p>', page)
+    titles = re.findall(r"<h2><a href=\"([^\"]+)\">([^<]+)</a></h2>", page)
+    assert [t for _, t in titles] == ["00 · First: runs", "01 · Second: more", "02 · Third"]   # still in order
+    assert page.count("<img") == 2                                                  # the map, and 00's figure
+
+
+def test_the_real_lessons_index_shows_every_track_and_every_lesson(tmp_path):
+    """The committed (unexecuted) notebooks stand in for executed ones: headers are all the map reads."""
+    page = book.build(ROOT / "notebooks", tmp_path / "site", ROOT / "README.md", ROOT / "notebooks" / "tracks.json",
+                      ROOT / "notebooks" / "course_map.png").read_text()
+    tracks = json.loads((ROOT / "notebooks" / "tracks.json").read_text())["tracks"]
+    for track in tracks:
+        assert f'id="track-{track["id"]}"' in page
+        listed = re.search(rf'id="track-{track["id"]}".*?<ol>(.*?)</ol>', page).group(1)
+        assert re.findall(r'<li><a href="#lesson-(\d\d)">', listed) == track["lessons"]
+    lessons = sorted(p.name[:2] for p in (ROOT / "notebooks").glob("[0-9]*.ipynb") if not p.name.endswith(".blank.ipynb"))
+    assert re.findall(r'<div class="lesson" id="lesson-(\d\d)">', page) == lessons
+    assert page.count('<p class="meta">about ') == len(lessons)

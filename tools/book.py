@@ -1,4 +1,5 @@
-"""The book's front page: site/index.html, the lessons in order, each with its one-line summary and headline figure.
+"""The book's front page: site/index.html, the course map and its tracks, then the lessons in order, each with its
+one-line summary and headline figure.
 
     python tools/book.py site/executed site      # executed notebooks in, index.html and figures/ out
     python tools/book.py site/executed site --times site/times.tsv --wall-s 1130   # and each lesson's seconds
@@ -8,6 +9,11 @@ For each lesson: its title (the first heading), its summary (the notebook's row 
 first sentence under the title), and its headline figure: the first image of a cell tagged "headline", else of
 the first cell that calls compare(...), else the notebook's first image, else the last image a widget showed
 (the playground's panel). A lesson without any image gets no figure, not an error.
+
+With --tracks (default notebooks/tracks.json, when it exists) the page opens with the course map: the figure
+(--map, default notebooks/course_map.png, drawn by tools/coursemap.py) and each track as a numbered list, each
+lesson with its time and prerequisites read from its header; each lesson's block then says the same, and the
+seconds it took in this build.
 
 Each lesson's seconds come from the executed notebook itself (nbclient stamps every cell: from the first cell's
 start to the last cell's reply); they are printed, with their sum, the book's wall time (--wall-s, measured by
@@ -27,7 +33,8 @@ from typing import Any
 STYLE = """body{font-family:system-ui,sans-serif;max-width:980px;margin:2em auto;padding:0 1em;color:#222}
 h1{margin-bottom:.2em} .lesson{border-top:1px solid #ddd;padding:1.2em 0}
 .lesson h2{margin:.1em 0 .3em;font-size:1.25em} .lesson p{margin:.2em 0 .8em;line-height:1.45}
-.lesson img{max-width:100%;border:1px solid #eee} a{color:#1f5fa8;text-decoration:none} code{font-size:.92em}"""
+.lesson img{max-width:100%;border:1px solid #eee} a{color:#1f5fa8;text-decoration:none} code{font-size:.92em}
+.map img{max-width:100%} .track li{margin:.15em 0} .meta,.track .meta{color:#666;font-size:.9em}"""
 
 
 def lesson(notebook: Path, readme_rows: dict[str, str]) -> dict[str, Any]:
@@ -90,14 +97,17 @@ def times_table(executed: Path, wall_s: float | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def build(executed: Path, site: Path, readme: Path = Path("README.md")) -> Path:
-    """Write site/index.html (and site/figures/<name>.png) from the executed notebooks in `executed`."""
+def build(executed: Path, site: Path, readme: Path = Path("README.md"), tracks: Path | None = None,
+          course_map: Path | None = None) -> Path:
+    """Write site/index.html (and site/figures/<name>.png) from the executed notebooks in `executed`; with `tracks`
+    (notebooks/tracks.json), the course map and its tracks first (`course_map`: the map's PNG, copied)."""
     rows = readme_table(readme)
     notebooks = sorted(p for p in Path(executed).glob("*.ipynb") if not p.name.endswith(".blank.ipynb"))
     if not notebooks:
         raise FileNotFoundError(f"no executed notebooks in {executed}: run `make book` (it executes them first)")
     figures = Path(site) / "figures"
     figures.mkdir(parents=True, exist_ok=True)
+    course = _course(executed, tracks)
     parts = []
     for notebook in notebooks:
         info = lesson(notebook, rows)
@@ -106,16 +116,98 @@ def build(executed: Path, site: Path, readme: Path = Path("README.md")) -> Path:
             (figures / f"{info['name']}.png").write_bytes(info["figure"])
             image = (f'<a href="{info["name"]}.html"><img src="figures/{info["name"]}.png" '
                      f'alt="{_inline(info["title"])}"></a>')
-        parts.append(f'<div class="lesson"><h2><a href="{info["name"]}.html">{_inline(info["title"])}</a></h2>'
-                     f'<p>{_inline(info["summary"])}</p>{image}</div>')
+        meta = _meta(course, notebook) if course else ""
+        anchor = f' id="lesson-{notebook.name[:2]}"' if course else ""
+        parts.append(f'<div class="lesson"{anchor}><h2><a href="{info["name"]}.html">{_inline(info["title"])}</a></h2>'
+                     f'{meta}<p>{_inline(info["summary"])}</p>{image}</div>')
+    intro = ("Distributed PyTorch training, debugged and sped up by running it: every lesson below was executed "
+             "to make this page. Start at the top; each title opens the lesson with all its output.")
+    top = ""
+    if course:
+        intro = ("Distributed PyTorch training, debugged and sped up by running it: every lesson below was executed "
+                 "to make this page. Pick a track, or start at the first lesson; each title opens the lesson with "
+                 "all its output.")
+        top = _map_section(course, figures, course_map)
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>labkit: the lessons</title>"
             f"<style>{STYLE}</style></head><body><h1>labkit: the lessons</h1>"
-            f"<p>Distributed PyTorch training, debugged and sped up by running it: every lesson below was executed "
-            f"to make this page. Start at the top; each title opens the lesson with all its output.</p>"
-            + "\n".join(parts) + "</body></html>\n")
+            f"<p>{intro}</p>" + top + "\n".join(parts) + "</body></html>\n")
     index = Path(site) / "index.html"
     index.write_text(page)
     return index
+
+
+def _coursemap():
+    """tools/coursemap.py, loaded beside this file (tools/ is no package)."""
+    import importlib.util
+    if "coursemap" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("coursemap", Path(__file__).with_name("coursemap.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["coursemap"] = module          # dataclasses look the module up while it loads
+        spec.loader.exec_module(module)
+    return sys.modules["coursemap"]
+
+
+def _course(executed: Path, tracks: Path | None) -> dict[str, Any] | None:
+    """The lessons' headers (read from the executed notebooks: the same first cells) and the tracks, or None."""
+    if tracks is None or not Path(tracks).exists():
+        return None
+    cm = _coursemap()
+    lessons = cm.read_lessons(Path(executed))
+    by = {l.number: l for l in lessons}
+    known_tracks = [t for t in cm.load_tracks(Path(tracks)) if all(n in by for n in t["lessons"])]
+    return {"cm": cm, "lessons": lessons, "by": by, "tracks": known_tracks}
+
+
+def _needs(course: dict[str, Any], numbers: tuple[str, ...] | list[str]) -> str:
+    if not numbers:
+        return "needs nothing"
+    links = [f'<a href="#lesson-{n}">{n}</a>' if n in course["by"] else n for n in numbers]
+    return "needs " + ", ".join(links)
+
+
+def _map_section(course: dict[str, Any], figures: Path, course_map: Path | None) -> str:
+    """The map's figure, and each track as a numbered list: lesson, its time, its prerequisites."""
+    cm, by = course["cm"], course["by"]
+    out = ['<div class="map"><h2 id="map">The map: where to start</h2>']
+    if course_map is not None and Path(course_map).exists():
+        (figures / "course_map.png").write_bytes(Path(course_map).read_bytes())
+        out.append('<p><img src="figures/course_map.png" alt="The lessons as a graph of prerequisites, coloured by '
+                   'track"></p><p class="meta">An arrow goes from a lesson to one whose header names it under '
+                   '"You need".</p>')
+    for track in course["tracks"]:
+        quick, full = cm.total(track["lessons"], course["lessons"])
+        out.append(f'<div class="track" id="track-{html.escape(track["id"])}"><h3>{_inline(track["name"])}</h3>'
+                   f'<p>If {_inline(track["goal"])}: {len(track["lessons"])} lessons, about {cm.duration(quick)} '
+                   f'in quick mode, {cm.duration(full)} at full size.</p>')
+        if track.get("assumes"):
+            named = ", ".join(f'<a href="#lesson-{n}">{n}</a> ({_inline(by[n].short)})' for n in track["assumes"]
+                              if n in by)
+            out.append(f"<p class=\"meta\">It assumes {named}, from another track.</p>")
+        out.append("<ol>" + "".join(
+            f'<li><a href="#lesson-{n}">{n} · {_inline(by[n].short)}</a> <span class="meta">'
+            f'{cm.duration(by[n].quick_s)} quick, {cm.duration(by[n].full_s)} full; {_needs(course, by[n].needs)}'
+            f'</span></li>' for n in track["lessons"]) + "</ol></div>")
+    off = [l for l in course["lessons"] if not any(l.number in t["lessons"] for t in course["tracks"])]
+    if off:
+        out.append("<p>On no track: " + ", ".join(f'<a href="#lesson-{l.number}">{l.number} · {_inline(l.short)}</a>'
+                                                   for l in off) + ".</p>")
+    out.append('<h2 id="lessons">Every lesson</h2></div>')
+    return "".join(out)
+
+
+def _meta(course: dict[str, Any], notebook: Path) -> str:
+    """One line under a lesson's title: its time, its prerequisites, its tracks, and its seconds in this build."""
+    info = course["by"].get(notebook.name[:2])
+    if info is None:
+        return ""
+    cm = course["cm"]
+    on = [t["name"] for t in course["tracks"] if info.number in t["lessons"]]
+    ran = lesson_seconds(notebook)
+    bits = [f"about {cm.duration(info.quick_s)} in quick mode, {cm.duration(info.full_s)} at full size",
+            _needs(course, info.needs), ("on " + " and ".join(_inline(n) for n in on)) if on else "on no track"]
+    if ran is not None:
+        bits.append(f"ran in {ran:.0f} s for this page")
+    return f'<p class="meta">{" · ".join(bits)}</p>'
 
 
 def _text(cell: dict[str, Any]) -> str:
@@ -161,8 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readme", type=Path, default=Path("README.md"))
     parser.add_argument("--times", type=Path, help="also write each lesson's seconds here (tab-separated)")
     parser.add_argument("--wall-s", type=float, help="the book's wall time, measured by make book")
+    parser.add_argument("--tracks", type=Path, default=Path("notebooks/tracks.json"),
+                        help="the course's tracks (skipped when absent)")
+    parser.add_argument("--map", type=Path, default=Path("notebooks/course_map.png"),
+                        help="the course map's figure, drawn by tools/coursemap.py (skipped when absent)")
     args = parser.parse_args(argv)
-    print(f"wrote {build(args.executed, args.site, args.readme)}")
+    print(f"wrote {build(args.executed, args.site, args.readme, args.tracks, args.map)}")
     if args.times:
         table = times_table(args.executed, args.wall_s)
         args.times.write_text(table)
