@@ -171,9 +171,9 @@ def _map_section(course: dict[str, Any], figures: Path, course_map: Path | None)
     out = ['<div class="map"><h2 id="map">The map: where to start</h2>']
     if course_map is not None and Path(course_map).exists():
         (figures / "course_map.png").write_bytes(Path(course_map).read_bytes())
-        out.append('<p><img src="figures/course_map.png" alt="The lessons as a graph of prerequisites, coloured by '
-                   'track"></p><p class="meta">An arrow goes from a lesson to one whose header names it under '
-                   '"You need".</p>')
+        out.append('<p><a href="figures/course_map.png"><img src="figures/course_map.png" alt="The lessons as a graph '
+                   'of prerequisites, coloured by track"></a></p><p class="meta">An arrow goes from a lesson to one '
+                   'whose header names it under "You need". Open the figure for its full size.</p>')
     for track in course["tracks"]:
         quick, full = cm.total(track["lessons"], course["lessons"])
         out.append(f'<div class="track" id="track-{html.escape(track["id"])}"><h3>{_inline(track["name"])}</h3>'
@@ -201,7 +201,7 @@ def _meta(course: dict[str, Any], notebook: Path) -> str:
     if info is None:
         return ""
     cm = course["cm"]
-    on = [t["name"] for t in course["tracks"] if info.number in t["lessons"]]
+    on = [re.sub(r"^The ", "the ", t["name"]) for t in course["tracks"] if info.number in t["lessons"]]
     ran = lesson_seconds(notebook)
     bits = [f"about {cm.duration(info.quick_s)} in quick mode, {cm.duration(info.full_s)} at full size",
             _needs(course, info.needs), ("on " + " and ".join(_inline(n) for n in on)) if on else "on no track"]
