@@ -220,8 +220,8 @@ def total(numbers: list[str], lessons: list[Lesson]) -> tuple[float, float]:
 
 
 def digest(lessons: list[Lesson], tracks: list[dict]) -> str:
-    """What the figure is drawn from, hashed: numbers, short titles, prerequisites, tracks."""
-    data = [[l.number, l.short, list(l.needs)] for l in lessons] + [[t["id"], t["lessons"]] for t in tracks]
+    """What the figure is drawn from, hashed: numbers, short titles, prerequisites, quick times, tracks."""
+    data = [[l.number, l.short, list(l.needs), l.quick_s] for l in lessons] + [[t["id"], t["lessons"]] for t in tracks]
     return hashlib.sha256(json.dumps(data, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
@@ -240,7 +240,7 @@ def readme(lessons: list[Lesson], tracks: list[dict]) -> str:
            "arrow goes from a prerequisite to the lesson that needs it, and lessons are laid out left to right by "
            "how long a chain of prerequisites comes before them. Times are the headers' own, measured on a "
            "2-core laptop.", "",
-           f"![The lessons as a graph of prerequisites, coloured by track](course_map.png)", "",
+           "![The lessons as a graph of prerequisites, coloured by track](course_map.png)", "",
            f"<!-- {DIGEST_KEY}: {digest(lessons, tracks)} -->", "", "## Where to start", ""]
     for track in tracks:
         quick, full = total(track["lessons"], lessons)
@@ -401,9 +401,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{track['name']}: {' '.join(track['lessons'])} ({duration(quick)} quick, {duration(full)} full)"
               + (f"; assumes {' '.join(track['assumes'])}" if track.get("assumes") else ""))
     if args.check:
-        found += stale(args.notebooks)
-        for line in stale(args.notebooks):
+        old = stale(args.notebooks)
+        for line in old:
             print(line)
+        found += old
     return 1 if found else 0
 
 
