@@ -148,3 +148,24 @@ def test_the_cli_writes_the_markdown_and_make_test_calls_it(tmp_path):
     makefile = (ROOT / "Makefile").read_text()
     target = makefile[makefile.index("\ntest:"):makefile.index("\n\n", makefile.index("\ntest:") + 1)]
     assert "tools/folklore.py $(TEST_RUNS)/claims.jsonl --markdown $(TEST_RUNS)/folklore.md" in target
+
+
+gspec = importlib.util.spec_from_file_location("glossary", ROOT / "tools" / "glossary.py")
+glossary = importlib.util.module_from_spec(gspec)
+gspec.loader.exec_module(glossary)
+
+
+def test_the_glossary_names_existing_lessons_and_every_lesson_has_a_term():
+    terms = glossary.terms()
+    named = [n for t in terms for n in t["lessons"]]
+    assert set(named) <= set(LESSONS), "a term names a lesson that does not exist"
+    assert set(LESSONS) <= set(named), f"lessons without a term: {sorted(set(LESSONS) - set(named))}"
+    assert all(t["term"] and t["zh"] and t["definition"] and re.search(r"[\u4e00-\u9fff]", t["zh"] + t["term"])
+               for t in terms)
+    for english, chinese in [("all-reduce", "全规约"), ("bubble", "流水线气泡"), ("straggler", "掉队节点")]:
+        assert any(t["term"] == english and chinese in t["zh"] for t in terms)
+
+
+def test_glossary_md_is_what_its_data_gives():
+    assert (ROOT / "notebooks" / "GLOSSARY.md").read_text(encoding="utf-8") == glossary.markdown()
+    assert "<table>" in glossary.glossary_html()
