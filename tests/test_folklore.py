@@ -169,3 +169,12 @@ def test_the_glossary_names_existing_lessons_and_every_lesson_has_a_term():
 def test_glossary_md_is_what_its_data_gives():
     assert (ROOT / "notebooks" / "GLOSSARY.md").read_text(encoding="utf-8") == glossary.markdown()
     assert "<table>" in glossary.glossary_html()
+
+
+def test_each_lesson_header_ends_with_its_chinese_summary():
+    for number, path in sorted(LESSONS.items()):
+        first = json.loads(path.read_text(encoding="utf-8"))["cells"][0]
+        source = "".join(first["source"])
+        last = source.rstrip("\n").splitlines()[-1]
+        assert first["cell_type"] == "markdown" and last.startswith("**中文**："), f"lesson {number}"
+        assert len(re.findall(r"[\u4e00-\u9fff]", last)) >= 15 and len(last) < 220, f"lesson {number}: one or two sentences"
