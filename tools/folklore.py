@@ -27,6 +27,7 @@ import html
 import json
 import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,8 @@ SNAPSHOT = HERE / "folklore_snapshot.jsonl"
 START, END = "<!-- folklore:start -->", "<!-- folklore:end -->"
 VERDICTS = ("holds", "holds only when", "does not hold here", "not checked")
 MARK = {"checked": "✓", "failed": "✗", "skipped": "–", "missing": "?"}
+LEGEND = ("Measured here: the lesson claims that decide the row, ✓ checked, ✗ failed, – not checked, ? not in the log; "
+          "'against' marks a claim whose truth contradicts the folklore; 'see' is shown and decides nothing.")
 
 
 def load_data(path: Path = DATA) -> dict[str, Any]:
@@ -78,7 +81,9 @@ def resolve(ref: str, log: dict[str, dict[str, Any]]) -> tuple[str, list[dict[st
 
 
 def _measured(outcomes: list[dict[str, Any]]) -> str:
-    text = "; ".join(str(o.get("measured") or "").split(" (others kept")[0] for o in outcomes)
+    # a gated claim's measurement ends with what other programs kept busy: the gate's, not the claim's
+    values = [re.sub(r"\s*\(?others kept [\d.]+ cores busy\)?$", "", str(o.get("measured") or "")) for o in outcomes]
+    text = "; ".join(v for v in values if v)
     return text if len(text) <= 90 else text[:87] + "..."
 
 
@@ -100,7 +105,7 @@ def judge(row: dict[str, Any], log: dict[str, dict[str, Any]] | None) -> dict[st
                     ([] if found else [f"'{ref}' is not in this log"])
             shown = _measured(found) if status in ("checked", "failed") else \
                 ("not checked: " + (found[0].get("reason") or "") if found else "not in this log")
-            evidence.append((MARK[status], ref, shown.strip()))
+            evidence.append((MARK[status] + (" against" if side == "against" else ""), ref, shown.strip()))
     for ref in row.get("see", []):
         status, found = resolve(ref, log)
         evidence.append(("see", ref, _measured(found) if found else "not in this log"))
@@ -113,6 +118,8 @@ def judge(row: dict[str, Any], log: dict[str, dict[str, Any]] | None) -> dict[st
     else:
         verdict = "not checked"
         why = row.get("note") or "; ".join(dict.fromkeys(reasons)) or "no claim tests it"
+    if row.get("note") and verdict != "not checked":
+        why = (why + "; " if why else "") + row["note"]
     if undecided and verdict != "not checked":
         why = (why + "; " if why else "") + f"{len(undecided)} of its claims not checked here"
     return {"verdict": verdict, "why": why, "evidence": evidence}
@@ -159,7 +166,7 @@ def markdown(rows: list[dict[str, Any]], data: dict[str, Any] | None = None) -> 
             out.append("| " + " | ".join(_cell(x) for x in (
                 art, r["title"], r["english"], r["claim"], ", ".join(r["lessons"]), _verdict_text(r), measured)) + " |")
         out.append("")
-    out.append("✓ checked, ✗ failed, – not checked, ? not in the log; 'see' is shown, and decides nothing.")
+    out.append(LEGEND)
     return "\n".join(out) + "\n"
 
 
@@ -169,7 +176,11 @@ def folklore_html(log_path: str | Path | None) -> str:
     rows = table(log_path, data)
     c = counts(rows)
     source = "no claims log was found" if read_log(log_path) is None else f"from {html.escape(str(log_path))}"
-    out = ['<section class="folklore"><h2>The folklore, judged</h2>',
+    out = ['<section class="folklore"><style>.folklore table{border-collapse:collapse;font-size:.9em}'
+           ".folklore td,.folklore th{border:1px solid #ddd;padding:.3em;vertical-align:top;text-align:left}"
+           ".folklore .holds{background:#e6f4ea}.folklore .holds-only-when{background:#fff7e0}"
+           ".folklore .does-not-hold-here{background:#fde8e8}.folklore .not-checked{background:#f0f0f0}</style>"
+           "<h2>The folklore, judged</h2>",
            f"<p>Every trick of the three source articles, judged by the claims this build's lessons logged "
            f"({source}): " + ", ".join(f"{n} {html.escape(v)}" for v, n in c.items()) + ".</p>"]
     for art, meta in data["articles"].items():
@@ -177,14 +188,15 @@ def folklore_html(log_path: str | Path | None) -> str:
         out.append('<table><tr><th>中文 title</th><th>English</th><th>claim</th><th>lesson</th><th>verdict</th>'
                    '<th>measured here</th></tr>')
         for r in (r for r in rows if r["article"] == art):
-            measured = "<br>".join(html.escape(f"{m} {ref}: {shown}") for m, ref, shown in r["evidence"])
+            measured = "<br>".join(html.escape(f"{m} {ref}: {shown}" if shown else f"{m} {ref}")
+                                   for m, ref, shown in r["evidence"])
             cls = r["verdict"].replace(" ", "-")
             out.append(f"<tr><td>{html.escape(r['title'])}</td><td>{html.escape(r['english'])}</td>"
                        f"<td>{html.escape(r['claim'])}</td><td>{', '.join(r['lessons'])}</td>"
                        f'<td class="{cls}">{html.escape(_verdict_text(r))}</td><td><small>{measured}</small></td></tr>')
         out.append("</table>")
-    out.append("<p><small>✓ checked, ✗ failed, – not checked, ? not in the log; 'see' is shown, and decides nothing. "
-               "Built by tools/folklore.py from tools/folklore_data.json.</small></p></section>")
+    out.append(f"<p><small>{html.escape(LEGEND)} Built by tools/folklore.py from tools/folklore_data.json.</small></p>"
+               "</section>")
     return "\n".join(out)
 
 
