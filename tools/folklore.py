@@ -7,7 +7,8 @@
 tools/folklore_data.json lists the tricks (the articles' own titles, in Chinese), the claim each makes, the
 lessons that test it, and which of the lessons' logged claims decide its verdict: `for` (their truth bears the
 folklore out), `against` (their truth contradicts it) and `when` (the condition it holds under when both kinds are
-checked). A reference matches every logged claim whose name starts with it ("14: adding TP to ZeRO-3 ...").
+checked). A reference matches every logged claim whose name starts with it ("14: adding TP to ZeRO-3 ..."), a '*'
+standing for what the machine or the mode sets ("05: * workers cut t_data ...": as many workers as usable cores).
 
 The verdict is computed from the log, never written by hand:
     holds               some claims for it checked, none against it
@@ -70,9 +71,14 @@ def referenced(data: dict[str, Any]) -> list[str]:
     return refs
 
 
+def matches(ref: str, name: str) -> bool:
+    """Does the claim `name` start with `ref`? A '*' in ref stands for any text (a count of cores, of ranks)."""
+    return re.match(".*".join(re.escape(part) for part in ref.split("*")), name) is not None
+
+
 def resolve(ref: str, log: dict[str, dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
     """A reference's status in the log (checked, failed, skipped or missing) and the outcomes it matches."""
-    found = [o for name, o in log.items() if name.startswith(ref)]
+    found = [o for name, o in log.items() if matches(ref, name)]
     if not found:
         return "missing", []
     statuses = {o.get("status") for o in found}
@@ -241,7 +247,7 @@ def write_snapshot(log_path: Path, readme: Path, run: str, where: str | None = N
     if log is None:
         raise SystemExit(f"no claims log at {log_path}")
     refs = referenced(load_data())
-    kept = [o for name, o in log.items() if any(name.startswith(r) for r in refs)]
+    kept = [o for name, o in log.items() if any(matches(r, name) for r in refs)]
     date = time.strftime("%Y-%m-%d", time.gmtime(max(o.get("time", 0) for o in log.values())))
     meta = {"date": date, "machine": where or machine(), "run": run, "claims_in_log": len(log)}
     snapshot.write_text("\n".join(json.dumps(x, ensure_ascii=False) for x in [{"snapshot": meta}, *kept]) + "\n",
