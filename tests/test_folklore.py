@@ -29,7 +29,7 @@ TRICKS = {
             "分布式训练中的性能优化", "常见问题及解决方案"],
 }
 # The figures the articles give, each in some row's claim.
-FIGURES = ["8 × 32 = 256", "(4)", "3×", "50%", "40%", "2.1.0", "NCCL 2.18", "(42)", "max_norm 1.0", "3 cycles", "patience 5"]
+FIGURES = ["8 × 32 = 256", "(4)", "3×", "50%", "40%", "2.1.0", "NCCL 2.18", "(42)", "max_norm 1.0", "3 cycles", "1000 steps", "patience 5"]
 
 
 def test_every_trick_of_the_three_articles_has_a_row_under_its_articles_title():

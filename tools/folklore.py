@@ -274,7 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"folklore: no claims log at {args.log}: every row reads 'not checked'", file=sys.stderr)
     rows = table(args.log)
     if args.markdown:
-        args.markdown.write_text("## The folklore, judged\n\n" + markdown(rows), encoding="utf-8")
+        log = read_log(args.log) or {}
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(max((o.get("time", 0) for o in log.values()), default=0)))
+        source = (f"From {args.log}: {len(log)} claims, the last logged {when}, on {args.machine or machine()}."
+                  if log else f"No claims log at {args.log}.")
+        args.markdown.write_text(f"## The folklore, judged\n\n{source}\n\n" + markdown(rows), encoding="utf-8")
     if args.snapshot:
         write_snapshot(args.log, args.snapshot, args.run, args.machine)
     print("folklore: " + ", ".join(f"{n} {v}" for v, n in counts(rows).items())
