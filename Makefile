@@ -29,6 +29,7 @@ test: install
 	rm -rf $(TEST_RUNS) && mkdir -p $(TEST_RUNS)
 	LABKIT_QUICK=1 LABKIT_RUNS=$(TEST_RUNS) LABKIT_CLAIMS_LOG=$(TEST_RUNS)/claims.jsonl MPLBACKEND=Agg $(BIN)/python -m pytest tests --nbmake notebooks \
 		--nbmake-timeout=300 -v --durations=15
+	-$(BIN)/python tools/folklore.py $(TEST_RUNS)/claims.jsonl --markdown $(TEST_RUNS)/folklore.md
 
 # The floor: a second venv with every dependency at the lowest version pyproject.toml declares
 # (requirements-floor.txt; torch stays at 2.13.0, the only build installable here), running the unit and
