@@ -55,18 +55,21 @@ test-floor: $(FLOOR)/.installed
 		--deselect tests/test_envcheck.py::test_this_environment_runs_exactly_what_the_kits_lock_pins -v --durations=10
 
 # Each lesson is executed once (into site/executed/), then converted to HTML; tools/book.py writes site/index.html
-# (the lessons in order, each with its summary and headline figure) from the executed notebooks, and prints each
-# lesson's seconds (site/times.tsv) and the whole book's against its 25-minute budget. Blank exercise copies
+# (the course map and its tracks, the source articles' folklore judged by the claims the lessons logged while
+# executing (site/claims.jsonl, tools/folklore.py), the lessons in order, each with its summary and headline figure,
+# the glossary) from the executed notebooks, and prints each lesson's seconds (site/times.tsv) and the whole book's
+# against its 25-minute budget. Blank exercise copies
 # (*.blank.ipynb, made by lessons 16 and 17) are not lessons.
 LESSONS := $(filter-out %.blank.ipynb,$(wildcard notebooks/*.ipynb))
 
 book: install
 	mkdir -p site/executed
 	date +%s > site/.book-started
-	LABKIT_RUNS=$(CURDIR)/site/runs $(BIN)/jupyter nbconvert --to notebook --execute \
+	rm -f site/claims.jsonl
+	LABKIT_RUNS=$(CURDIR)/site/runs LABKIT_CLAIMS_LOG=$(CURDIR)/site/claims.jsonl $(BIN)/jupyter nbconvert --to notebook --execute \
 		--ExecutePreprocessor.timeout=1800 --output-dir site/executed $(LESSONS)
 	$(BIN)/jupyter nbconvert --to html --output-dir site $(addprefix site/executed/,$(notdir $(LESSONS)))
-	$(BIN)/python tools/book.py site/executed site --times site/times.tsv --wall-s $$(( $$(date +%s) - $$(cat site/.book-started) ))
+	$(BIN)/python tools/book.py site/executed site --times site/times.tsv --claims site/claims.jsonl --wall-s $$(( $$(date +%s) - $$(cat site/.book-started) ))
 	@echo "open site/index.html"
 
 # The optional extras, installed once each (stamps), only by the targets that need them: accelerate (`bench`: its

@@ -94,6 +94,9 @@ def test_make_book_executes_each_lesson_once_then_writes_the_index():
     lessons = [p.name for p in (ROOT / "notebooks").glob("*.ipynb") if not p.name.endswith(".blank.ipynb")]
     assert lessons and all(f"notebooks/{name}" in executing for name in lessons)
     assert ".blank.ipynb" not in executing
+    # the claims the lessons log while executing are the folklore table's evidence: a fresh log, read by book.py
+    assert "rm -f site/claims.jsonl" in commands and "LABKIT_CLAIMS_LOG=" in executing
+    assert "site/claims.jsonl" in executing and "--claims site/claims.jsonl" in commands
 
 
 def test_with_tracks_the_index_opens_with_the_map_and_each_track_with_times_and_prerequisites(tmp_path):
@@ -139,3 +142,18 @@ def test_the_real_lessons_index_shows_every_track_and_every_lesson(tmp_path):
     lessons = sorted(p.name[:2] for p in (ROOT / "notebooks").glob("[0-9]*.ipynb") if not p.name.endswith(".blank.ipynb"))
     assert re.findall(r'<div class="lesson" id="lesson-(\d\d)">', page) == lessons
     assert page.count('<p class="meta">about ') == len(lessons)
+
+
+def test_with_a_claims_log_the_index_judges_the_folklore_by_it_and_ends_with_the_glossary(tmp_path):
+    """The folklore table on the index is built from the log given (one claim checked, the rest absent), and the
+    glossary follows the lessons."""
+    log = tmp_path / "claims.jsonl"
+    log.write_text(json.dumps({"claim": "08: one seed twice: every record equal, bit for bit", "status": "checked",
+                               "measured": "24 records compared", "kind": "check"}) + "\n")
+    page = book.build(ROOT / "notebooks", tmp_path / "site", ROOT / "README.md", ROOT / "notebooks" / "tracks.json",
+                      ROOT / "notebooks" / "course_map.png", log).read_text()
+    folklore = page[page.index("The folklore, judged"):page.index('<div class="lesson"')]
+    assert page.index('id="track-') < page.index("The folklore, judged") < page.index('<div class="lesson"')
+    assert "神操作4：全局设定随机种子" in folklore and "24 records compared" in folklore
+    assert folklore.count("not checked") > 10              # the claims this log lacks decide nothing
+    assert page.index("Glossary · 术语表") > page.rindex('<div class="lesson"')

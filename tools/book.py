@@ -98,9 +98,11 @@ def times_table(executed: Path, wall_s: float | None = None) -> str:
 
 
 def build(executed: Path, site: Path, readme: Path = Path("README.md"), tracks: Path | None = None,
-          course_map: Path | None = None) -> Path:
+          course_map: Path | None = None, claims: Path | None = None) -> Path:
     """Write site/index.html (and site/figures/<name>.png) from the executed notebooks in `executed`; with `tracks`
-    (notebooks/tracks.json), the course map and its tracks first (`course_map`: the map's PNG, copied)."""
+    (notebooks/tracks.json), the course map and its tracks first (`course_map`: the map's PNG, copied); with
+    `claims` (the claims log the lessons wrote while being executed), the source articles' folklore judged by it
+    (tools/folklore.py) after the map, and the glossary (tools/glossary.py) after the lessons."""
     rows = readme_table(readme)
     notebooks = sorted(p for p in Path(executed).glob("*.ipynb") if not p.name.endswith(".blank.ipynb"))
     if not notebooks:
@@ -128,9 +130,11 @@ def build(executed: Path, site: Path, readme: Path = Path("README.md"), tracks: 
                  "to make this page. Pick a track, or start at the first lesson; each title opens the lesson with "
                  "all its output.")
         top = _map_section(course, figures, course_map)
+    folklore = _tool("folklore").folklore_html(claims) if claims is not None else ""
+    glossary = _tool("glossary").glossary_html() if claims is not None or course else ""
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>labkit: the lessons</title>"
             f"<style>{STYLE}</style></head><body><h1>labkit: the lessons</h1>"
-            f"<p>{intro}</p>" + top + "\n".join(parts) + "</body></html>\n")
+            f"<p>{intro}</p>" + top + folklore + "\n".join(parts) + glossary + "</body></html>\n")
     index = Path(site) / "index.html"
     index.write_text(page)
     return index
@@ -138,13 +142,18 @@ def build(executed: Path, site: Path, readme: Path = Path("README.md"), tracks: 
 
 def _coursemap():
     """tools/coursemap.py, loaded beside this file (tools/ is no package)."""
+    return _tool("coursemap")
+
+
+def _tool(name: str):
+    """tools/<name>.py, loaded beside this file (tools/ is no package), once."""
     import importlib.util
-    if "coursemap" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("coursemap", Path(__file__).with_name("coursemap.py"))
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
         module = importlib.util.module_from_spec(spec)
-        sys.modules["coursemap"] = module          # dataclasses look the module up while it loads
+        sys.modules[name] = module          # dataclasses look the module up while it loads
         spec.loader.exec_module(module)
-    return sys.modules["coursemap"]
+    return sys.modules[name]
 
 
 def _course(executed: Path, tracks: Path | None) -> dict[str, Any] | None:
@@ -255,10 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wall-s", type=float, help="the book's wall time, measured by make book")
     parser.add_argument("--tracks", type=Path, default=Path("notebooks/tracks.json"),
                         help="the course's tracks (skipped when absent)")
+    parser.add_argument("--claims", type=Path, help="the claims log the executed lessons wrote: the folklore table")
     parser.add_argument("--map", type=Path, default=Path("notebooks/course_map.png"),
                         help="the course map's figure, drawn by tools/coursemap.py (skipped when absent)")
     args = parser.parse_args(argv)
-    print(f"wrote {build(args.executed, args.site, args.readme, args.tracks, args.map)}")
+    print(f"wrote {build(args.executed, args.site, args.readme, args.tracks, args.map, args.claims)}")
     if args.times:
         table = times_table(args.executed, args.wall_s)
         args.times.write_text(table)

@@ -50,7 +50,9 @@ def glossary_html() -> str:
     rows = "\n".join(f"<tr><td>{html.escape(t['term'])}</td><td>{html.escape(t['zh'])}</td>"
                      f"<td>{html.escape(t['definition'])}</td><td>{html.escape(t.get('zh_definition', ''))}</td>"
                      f"<td>{', '.join(t['lessons'])}</td></tr>" for t in terms())
-    return ('<section class="glossary"><h2>Glossary · 术语表</h2><table><tr><th>English</th><th>中文</th>'
+    return ('<section class="glossary"><style>.glossary table{border-collapse:collapse;font-size:.9em}'
+            ".glossary td,.glossary th{border:1px solid #ddd;padding:.3em;vertical-align:top;text-align:left}</style>"
+            '<h2>Glossary · 术语表</h2><table><tr><th>English</th><th>中文</th>'
             f"<th>definition</th><th>释义</th><th>lesson</th></tr>\n{rows}\n</table></section>")
 
 
