@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SEEDS = Path("/work/shared/seeds")
+SEEDS = ROOT.parent / "shared" / "seeds"   # the workspace beside the checkout, where there is one
 spec = importlib.util.spec_from_file_location("folklore", ROOT / "tools" / "folklore.py")
 folklore = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(folklore)
@@ -44,6 +44,21 @@ def test_every_trick_of_the_three_articles_has_a_row_under_its_articles_title():
         section = text[text.index(f"#### Article {article}"):]
         section = section[:section.index("#### Article", 5)] if "#### Article" in section[5:] else section
         assert all(f"| {article} | {title} |" in section for title in titles)
+
+
+def test_each_lesson_header_names_a_trick_by_its_articles_own_title():
+    """A header's folklore line, "article 000, trick 7 (故障排查与恢复机制, ...)", uses the title the table has
+    (what follows a colon is the point of that trick the lesson takes up)."""
+    titles = {(t["article"], re.sub(r"^(\d+\. |神操作\d：)", "", t["title"])) for t in DATA["tricks"]}
+    numbers = {(t["article"], m.group(1)) for t in DATA["tricks"] if (m := re.match(r"^(?:神操作)?(\d)", t["title"]))}
+    cited = 0
+    for number, path in LESSONS.items():
+        header = "".join(json.loads(path.read_text())["cells"][0]["source"])
+        for article, trick, title in re.findall(r"article (\d{3}), trick (\d) \(([^,):：]+)", header):
+            cited += 1
+            assert (article, title) in titles, f"lesson {number}: {title!r} is not article {article}'s title"
+            assert (article, trick) in numbers
+    assert cited >= 10
 
 
 @pytest.mark.skipif(not SEEDS.is_dir(), reason="the source articles are not on this machine")

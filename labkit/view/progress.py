@@ -57,7 +57,8 @@ class Progress:
             self._first = (done, now)
         self.done = done
         self.text = self._describe(done, done_per_rank, now)
-        bar = self._tqdm or self._make(display=True)
+        # `is None`, never `or`: a tqdm bar's truth is its total, and bool() raises when the total is unknown
+        bar = self._tqdm if self._tqdm is not None else self._make(display=True)
         if bar is None:
             return
         if first:  # the clock starts at the first recorded step, not at the launch
