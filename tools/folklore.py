@@ -162,7 +162,7 @@ def markdown(rows: list[dict[str, Any]], data: dict[str, Any] | None = None) -> 
     """The table as markdown: one table per article, under the article's title."""
     data = data or load_data()
     c = counts(rows)
-    out = [f"Of {len(rows)} claims: " + ", ".join(f"{n} {v}" for v, n in c.items()) + ".", ""]
+    out = [f"Of the articles' {len(rows)} claims: " + ", ".join(f"{n} {v}" for v, n in c.items()) + ".", ""]
     for art, meta in data["articles"].items():
         out += [f"#### Article {art}: {meta['title']} ({meta['english']})", "",
                 "| article | 中文 title | English | claim | lesson | verdict | measured here |",
