@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml requirements.lock
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip==26.3"
 	$(BIN)/python -m pip install --quiet "torch==2.13.0"
-	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[lab,test,frameworks]"
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[lab,test,frameworks,fp8]"
 	touch $(STAMP)
 
 # --allow-root: containers, cloud images and many lab machines run as root; JupyterLab refuses them without it.

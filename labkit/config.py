@@ -21,7 +21,7 @@ from typing import Any
 from . import constraints
 from .fault import Fault, as_faults, fault_shape
 from .rules import (  # noqa: F401 - the choices are re-exported (labkit.config.V_SCHEDULES): rules.py owns them
-    BACKENDS, BALANCING, CHECKPOINT_FORMATS, CONTEXT_METHODS, CONTEXT_SPLITS, COMM_HOOKS, FP8_FORMATS, FP8_SCALINGS, LAYERS, MODEL_SIZES, NAN_POLICIES,
+    BACKENDS, BALANCING, CHECKPOINT_FORMATS, CONTEXT_METHODS, CONTEXT_SPLITS, COMM_HOOKS, FP8_ENGINES, FP8_FORMATS, FP8_SCALINGS, LAYERS, MODEL_SIZES, NAN_POLICIES,
     OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_SHAPES, PRECISIONS, SCHEDULES, SINGLE_STAGE_SCHEDULES, STRATEGIES, TASKS,
     RULES, TP_DEGREES, TP_STRATEGIES, V_SCHEDULES, shown)
 
@@ -214,14 +214,20 @@ class RunConfig:
     name: str = ""
     """A label for plots and the run directory; empty: derived from the config."""
     fp8_scaling: str = "tile"
-    """precision "fp8": "tensor" (one scale per tensor) or "tile" (DeepSeek-V3's: 1 x fp8_tile tiles of activations
-    and gradients along the summed dimension, fp8_tile x fp8_tile blocks of weights) (training/fp8_linear.py)."""
+    """precision "fp8": "tensor" (one scale per tensor), "row" (torchao's rowwise: one per row along the summed
+    dimension, powers of two) or "tile" (DeepSeek-V3's: 1 x fp8_tile tiles of activations and gradients along the
+    summed dimension, fp8_tile x fp8_tile blocks of weights) (training/fp8_linear.py)."""
     fp8_tile: int = 0
     """precision "fp8", fp8_dispatch: the tile size t; 0: the model's width / 4, at least 8 (tinylm 16, tinymoe 8).
     V3's t = 128 is 1/56 of its 7168-wide rows; here a 1 x 128 tile would be a whole row and a 128 x 128 block a
     whole matrix, and "tile" would be per-tensor scaling in disguise."""
     fp8_grad_format: str = "e4m3"
     """precision "fp8": the gradients' format in backward: "e4m3" (V3) or "e5m2" (the older hybrid recipe)."""
+    fp8_engine: str = "labkit"
+    """precision "fp8": who computes the nn.Linear layers' matmuls. "labkit": its simulation (quantise, multiply in
+    fp32); "torchao": torchao's Float8Linear (pip install 'labkit[fp8]'), through torch._scaled_mm, with fp8_scaling
+    "tensor" (its tensorwise recipe) or "row" (rowwise); V3's "tile" needs a GPU there. tinymoe only (GPT-2's Conv1D
+    is not an nn.Linear); the layers torchao cannot take (the routed experts) stay in labkit's simulation."""
     fp8_dispatch: bool = False
     """tinymoe, expert_parallel > 1: the dispatch all_to_all carries E4M3 values and 1 x fp8_tile scales, as V3's
     (training/fp8_wire.py); the combine and the gradients stay in the model's precision."""

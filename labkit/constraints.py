@@ -9,6 +9,7 @@ The field-by-field rules (types, ranges) and the choices each field offers are i
 """
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 from .rules import LM_HEADS, SINGLE_STAGE_SCHEDULES, TP_DEGREES, TP_STRATEGIES, V_SCHEDULES
@@ -233,7 +234,7 @@ def expert_problems(config: Any) -> list[str]:
     return out
 
 
-FP8_ONLY = {"fp8_scaling": "tile", "fp8_grad_format": "e4m3"}
+FP8_ONLY = {"fp8_scaling": "tile", "fp8_grad_format": "e4m3", "fp8_engine": "labkit"}
 """Fields that only precision "fp8" reads, at their defaults (fp8_tile is read by fp8_dispatch too)."""
 
 
@@ -249,6 +250,11 @@ def fp8_problems(config: Any) -> list[str]:
     if fp8 and config.strategy not in ("ddp", "zero1"):
         out.append(f"RunConfig.precision = 'fp8': with RunConfig.strategy = {config.strategy!r} the layers are "
                    "sharded or cut before they could be switched; use strategy 'ddp' or 'zero1'")
+    if fp8 and config.fp8_engine == "torchao":
+        out += _torchao_problems(config)
+    if fp8 and config.fp8_scaling == "row" and config.fp8_tile:
+        out.append(f"RunConfig.fp8_tile = {config.fp8_tile}: scaling 'row' takes whole rows, not tiles; leave "
+                   "fp8_tile at 0 or use scaling 'tile'")
     unread = {} if fp8 else dict(FP8_ONLY)
     if not (fp8 or config.fp8_dispatch):
         unread["fp8_tile"] = 0
@@ -259,6 +265,22 @@ def fp8_problems(config: Any) -> list[str]:
         out.append(f"RunConfig.fp8_dispatch = True: FP8 travels in the expert-parallel dispatch, which needs "
                    f"RunConfig.task 'tinymoe' (not {config.task!r}) and RunConfig.expert_parallel >= 2 (not "
                    f"{config.expert_parallel})")
+    return out
+
+
+def _torchao_problems(config: Any) -> list[str]:
+    """fp8_engine "torchao": tinymoe (its nn.Linear layers), a recipe torchao runs on this machine, torchao itself."""
+    out = []
+    if config.task != "tinymoe":
+        out.append(f"RunConfig.fp8_engine = 'torchao': torchao converts nn.Linear layers, and task {config.task!r} has "
+                   "none to convert (GPT-2 computes with Conv1D); use task 'tinymoe' or fp8_engine 'labkit'")
+    if config.fp8_scaling == "tile":
+        out.append("RunConfig.fp8_engine = 'torchao' with fp8_scaling = 'tile': torchao's 1 x 128 / 128 x 128 "
+                   "blockwise recipe is a Triton prototype that needs a GPU; use fp8_scaling 'tensor' or 'row', or "
+                   "fp8_engine 'labkit' (its simulation of V3's tiles)")
+    if importlib.util.find_spec("torchao") is None:
+        out.append("RunConfig.fp8_engine = 'torchao': torchao is not installed here; pip install 'labkit[fp8]' "
+                   "(or `make install`), or use fp8_engine 'labkit'")
     return out
 
 

@@ -39,7 +39,8 @@ PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "Interlea
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 PIPELINE_SHAPES = ("inferred", "fixed", "fixed_no_grad")
-FP8_SCALINGS = ("tensor", "tile")  # one scale per tensor, or DeepSeek-V3's tiles and blocks (training/fp8_linear.py)
+FP8_SCALINGS = ("tensor", "row", "tile")  # per tensor, per row (torchao's rowwise), V3's tiles and blocks (training/fp8_linear.py)
+FP8_ENGINES = ("labkit", "torchao")  # who computes the nn.Linear layers' FP8 matmuls (training/fp8_layers.py)
 FP8_FORMATS = ("e4m3", "e5m2")
 CONTEXT_METHODS = ("ring", "allgather", "ulysses")  # how attention sees the whole sequence (training/parallel/context.py)
 CONTEXT_SPLITS = ("contiguous", "zigzag")  # which positions each context-parallel rank holds
@@ -128,7 +129,7 @@ RULES: dict[str, Rule] = {
     "pipeline_schedule": one_of(*PIPELINE_SCHEDULES), "stages_per_rank": integer(1),
     "pipeline_shapes": one_of(*PIPELINE_SHAPES), "pipeline_check": boolean,
     "fp8_scaling": one_of(*FP8_SCALINGS), "fp8_tile": integer(0), "fp8_grad_format": one_of(*FP8_FORMATS),
-    "fp8_dispatch": boolean, "pipeline_zero1": boolean, "sequence_parallel": boolean,
+    "fp8_dispatch": boolean, "fp8_engine": one_of(*FP8_ENGINES), "pipeline_zero1": boolean, "sequence_parallel": boolean,
     "context_parallel": integer(1), "context_method": one_of(*CONTEXT_METHODS), "context_split": one_of(*CONTEXT_SPLITS),
 }
 """The rule each RunConfig field's value must pass; faults are checked by their own shape and ranges (fault.py)."""

@@ -100,7 +100,12 @@ def test_fp8_experts_at_tile_one_equal_transformers_experts():
 @pytest.mark.parametrize("changes, field", [
     ({"precision": "fp8", "task": "digits"}, "precision"),
     ({"precision": "fp8", "strategy": "fsdp"}, "precision"),
-    ({"precision": "fp8", "fp8_scaling": "row"}, "fp8_scaling"),
+    ({"precision": "fp8", "fp8_scaling": "block"}, "fp8_scaling"),
+    ({"precision": "fp8", "fp8_scaling": "row", "fp8_tile": 16}, "fp8_tile"),
+    ({"precision": "fp8", "fp8_engine": "transformer-engine"}, "fp8_engine"),
+    ({"precision": "fp8", "fp8_engine": "torchao"}, "fp8_engine"),               # tinylm: GPT-2 has no nn.Linear
+    ({"precision": "fp8", "fp8_engine": "torchao", "task": "tinymoe"}, "fp8_engine"),   # scaling "tile": a GPU's
+    ({"fp8_engine": "torchao"}, "fp8_engine"),
     ({"precision": "fp8", "fp8_tile": -1}, "fp8_tile"),
     ({"precision": "fp8", "fp8_grad_format": "e3m4"}, "fp8_grad_format"),
     ({"fp8_scaling": "tensor"}, "fp8_scaling"),

@@ -102,9 +102,11 @@ class Quantised:
         return self.scale.numel()
 
 
-def quantise(x: torch.Tensor, fmt: str = "e4m3", granularity: str = "tensor", tile: int = 128) -> Quantised:
+def quantise(x: torch.Tensor, fmt: str = "e4m3", granularity: str = "tensor", tile: int = 128,
+             power_of_two: bool = False) -> Quantised:
     """x in FP8 with scales: one per tensor, per 1 x tile run along the last dimension, or per tile x tile block of a
-    2-D tensor (see the module docstring)."""
+    2-D tensor (see the module docstring). power_of_two: each scale rounded up to a power of two (torchao's rowwise
+    recipe does so: dividing by it is then exact, and a value lands on the same FP8 number wherever it is cast)."""
     spec = fp8_format(fmt)
     x = x.detach().float()
     if granularity == "tensor":
@@ -118,14 +120,15 @@ def quantise(x: torch.Tensor, fmt: str = "e4m3", granularity: str = "tensor", ti
         grouped = padded.reshape(padded.shape[0] // tile, tile, padded.shape[1] // tile, tile)
     else:
         raise ValueError(f"granularity {granularity!r}: must be one of {', '.join(GRANULARITIES)}")
-    scale = _scale(grouped, granularity, spec.max)
-    data = (grouped / scale).clamp(-spec.max, spec.max).to(spec.dtype)  # clamp: x / scale may round past max
-    return Quantised(data, scale, x.shape, granularity)
+    multiplier = _multiplier(grouped, granularity, spec.max, power_of_two)
+    data = (grouped * multiplier).clamp(-spec.max, spec.max).to(spec.dtype)  # clamp: the product may round past max
+    return Quantised(data, multiplier.reciprocal(), x.shape, granularity)  # the scale: amax / max
 
 
-def fake_quantise(x: torch.Tensor, fmt: str = "e4m3", granularity: str = "tensor", tile: int = 128) -> torch.Tensor:
+def fake_quantise(x: torch.Tensor, fmt: str = "e4m3", granularity: str = "tensor", tile: int = 128,
+                  power_of_two: bool = False) -> torch.Tensor:
     """dequantise(quantise(x)) in x's dtype: x with FP8's rounding, what a GEMM on the FP8 values effectively reads."""
-    return quantise(x, fmt, granularity, tile).dequantise().to(x.dtype)
+    return quantise(x, fmt, granularity, tile, power_of_two).dequantise().to(x.dtype)
 
 
 def error_bound(q: Quantised, fmt: str, x: torch.Tensor) -> torch.Tensor:
@@ -136,15 +139,20 @@ def error_bound(q: Quantised, fmt: str, x: torch.Tensor) -> torch.Tensor:
     return spec.relative_error * torch.maximum(x.detach().abs().float(), spec.smallest_normal * scale)
 
 
-def _scale(grouped: torch.Tensor, granularity: str, fmt_max: float) -> torch.Tensor:
+def _multiplier(grouped: torch.Tensor, granularity: str, fmt_max: float, power_of_two: bool = False) -> torch.Tensor:
+    """What each group is multiplied by before the cast: max / amax, computed as torchao computes it (in float64, then
+    float32), so that labkit's FP8 values equal torchao's bit for bit; rounded down to a power of two if asked."""
     if granularity == "tensor":
         amax = grouped.abs().amax() if grouped.numel() else grouped.new_zeros(())  # an expert given no rows
     elif granularity == "tile":
         amax = grouped.abs().amax(-1, keepdim=True)
     else:
         amax = grouped.abs().amax(dim=(1, 3), keepdim=True)
-    # an all-zero group keeps scale 1 (any scale would do; 0 would divide by zero)
-    return torch.where(amax > 0, amax / fmt_max, torch.ones_like(amax))
+    multiplier = (fmt_max / amax.double().clamp(min=1e-12)).float()
+    if power_of_two:
+        multiplier = torch.exp2(torch.floor(torch.log2(multiplier)))
+    # an all-zero group keeps multiplier 1 (any would do; max / 0 is infinite)
+    return torch.where(amax > 0, multiplier, torch.ones_like(multiplier))
 
 
 def _padded(x: torch.Tensor, dim: int, tile: int) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Which layers of the tiny models run their matmuls in FP8, and switching them over in place.
 
     names = to_fp8(model, Recipe(scaling="tile", tile=16))   # the layers now in FP8, by name
+    names = to_torchao(model, Recipe(scaling="row"))         # the nn.Linear ones as torchao's Float8Linear instead
     apply_fp8(model, config)                                 # what labkit's loop does (RunConfig.precision="fp8",
-                                                             # RunConfig.fp8_dispatch)
+                                                             # RunConfig.fp8_engine, RunConfig.fp8_dispatch)
 
 What the tiny models compute, and what V3's recipe puts in FP8:
     tinylm (transformers' GPT-2)  8 x Conv1D (c_attn, attn.c_proj, c_fc, mlp.c_proj per block): x @ W + b   FP8
@@ -18,6 +19,11 @@ FP8 version loops over the experts that got tokens (transformers' "eager" path) 
 own blocks of scales, as V3's do. Layers are switched by changing their class to an FP8 subclass: the parameters,
 their names and the state dict stay exactly as they were (checkpoints, DDP's buckets and the optimizer see no
 difference), and print(model) shows which layers are FP8.
+
+fp8_engine "torchao" hands the nn.Linear candidates to torchao instead (torchao.float8.convert_to_float8_training:
+its Float8Linear, whose matmuls are real torch._scaled_mm calls on FP8 tensors, on this CPU too). torchao's
+tensorwise and rowwise recipes are labkit's "tensor" and "row" scalings; the other candidates (GPT-2's Conv1D,
+the routed experts) are not nn.Linear and keep labkit's simulation of the same recipe.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from torch import nn
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
 from transformers.pytorch_utils import Conv1D
 
+from .fp8 import FORMATS
 from .fp8_linear import Recipe, fp8_linear
 from .fp8_wire import FP8Dispatch
 from .parallel.experts import Expert, expert_parallel_modules
@@ -98,9 +105,42 @@ def to_fp8(model: nn.Module, recipe: Recipe) -> list[str]:
     return list(switched)
 
 
+def to_torchao(model: nn.Module, recipe: Recipe) -> list[str]:
+    """The nn.Linear candidates as torchao's Float8Linear, in place, with recipe's scaling ("tensor": torchao's
+    tensorwise; "row": rowwise, scales rounded to powers of two) and gradient format; returns their names."""
+    from torchao.float8 import convert_to_float8_training  # the fp8 extra: RunConfig checks it is installed
+
+    names = {name for name, m in candidates(model).items() if type(m) is nn.Linear}
+    convert_to_float8_training(model, config=torchao_config(recipe), module_filter_fn=lambda _, fqn: fqn in names)
+    return sorted(names)
+
+
+def torchao_config(recipe: Recipe) -> Any:
+    """torchao's Float8LinearConfig for recipe: "tensor" -> tensorwise, "row" -> rowwise (axiswise casts, power-of-two
+    scales), activations and weights in E4M3, gradients in recipe.grad_format."""
+    from torchao.float8 import CastConfig, Float8LinearConfig, ScalingGranularity
+
+    if recipe.scaling not in ("tensor", "row"):
+        raise ValueError(f"torchao on this machine runs scaling 'tensor' or 'row', not {recipe.scaling!r} (its "
+                         "blockwise recipe is a Triton prototype for GPUs)")
+    grain = ScalingGranularity.TENSORWISE if recipe.scaling == "tensor" else ScalingGranularity.AXISWISE
+
+    def cast(fmt: str) -> Any:
+        return CastConfig(scaling_granularity=grain, target_dtype=FORMATS[fmt].dtype)
+
+    return Float8LinearConfig(cast_config_input=cast("e4m3"), cast_config_weight=cast("e4m3"),
+                              cast_config_grad_output=cast(recipe.grad_format),
+                              round_scales_to_power_of_2=recipe.power_of_two)
+
+
+def is_fp8(module: nn.Module) -> bool:
+    """Whether module's matmuls run in FP8: one of labkit's FP8 layers, or torchao's Float8Linear."""
+    return isinstance(module, FP8Layer) or type(module).__name__ == "Float8Linear"
+
+
 def kept(model: nn.Module) -> list[str]:
     """Names of the layers with weights that stay in high precision (the head, routers, norms, embeddings)."""
-    return [name for name, m in model.named_modules() if not isinstance(m, FP8Layer)
+    return [name for name, m in model.named_modules() if not is_fp8(m)
             and any(True for _ in m.parameters(recurse=False))]
 
 
@@ -111,13 +151,16 @@ def model_width(model: nn.Module) -> int:
 
 def apply_fp8(model: nn.Module, config: RunConfig) -> dict[str, Any]:
     """As config says: the matmuls in FP8 (precision "fp8") and the expert-parallel dispatch in FP8 (fp8_dispatch).
-    Returns what was switched: {"layers": [...], "dispatch": number of MoE layers dispatching in FP8}."""
-    done: dict[str, Any] = {"layers": [], "dispatch": 0}
+    Returns what was switched: {"layers": [...], "torchao": [...] (fp8_engine "torchao": the layers torchao took),
+    "dispatch": number of MoE layers dispatching in FP8}."""
+    done: dict[str, Any] = {"layers": [], "torchao": [], "dispatch": 0}
     if config.precision != "fp8" and not config.fp8_dispatch:
         return done
     recipe = Recipe.from_config(config, model_width(model))
     if config.precision == "fp8":
-        done["layers"] = to_fp8(model, recipe)
+        if config.fp8_engine == "torchao":
+            done["torchao"] = to_torchao(model, recipe)  # first: to_fp8 leaves torchao's layers (not exactly nn.Linear)
+        done["layers"] = done["torchao"] + to_fp8(model, recipe)
     if config.fp8_dispatch:
         for layer in expert_parallel_modules(model):
             layer.wire = FP8Dispatch(recipe.tile)

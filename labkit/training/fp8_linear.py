@@ -7,7 +7,11 @@ Each matmul's two operands are quantised (training/fp8.py), multiplied in fp32 a
     forward  y  = x @ W.T        x: E4M3, 1 x t tiles along K        W: E4M3, t x t blocks
     backward dx = dy @ W         dy: grad_format, 1 x t tiles along N  W: the same blocks
              dW = dy.T @ x       dy, x: 1 x t tiles along the tokens (the dimension this product sums over)
-With scaling "tensor" every operand gets one scale instead. The gradient's format is the recipe's: "e4m3" as V3
+With scaling "tensor" every operand gets one scale instead. With scaling "row" (torchao's rowwise recipe) each
+operand gets one scale per row along the dimension its product sums over, rounded to a power of two: x and W per
+row along K forward, dy per row along N and W per column (along N) for dx, dy and x along the tokens for dW; and
+each product is rounded to bf16, as torchao writes a rowwise GEMM's output (torch._scaled_mm offers no fp32 output
+for row scales on GPUs, so torchao asks for bf16 everywhere; measured: without it, 0.0017 relative apart). The gradient's format is the recipe's: "e4m3" as V3
 (fine-grained scales make E4M3's narrower range enough), or "e5m2", the older hybrid recipe's choice for gradients
 (its wider range, for one scale per tensor). The bias and its gradient stay in fp32, as do the embeddings, the
 normalisations, attention's own products, the router and the output head (V3 keeps them in higher precision).
@@ -28,7 +32,7 @@ import torch
 from .fp8 import fake_quantise
 from ..config import RunConfig
 
-SCALINGS = ("tensor", "tile")
+SCALINGS = ("tensor", "row", "tile")
 GRAD_FORMATS = ("e4m3", "e5m2")
 
 
@@ -39,11 +43,16 @@ def auto_tile(width: int) -> int:
 
 @dataclass(frozen=True)
 class Recipe:
-    """How the matmuls are quantised: scaling "tensor" | "tile", the tile size t, the gradients' format."""
+    """How the matmuls are quantised: scaling "tensor" | "row" | "tile", the tile size t ("tile" only), the
+    gradients' format; "row" rounds its scales to powers of two, as torchao's rowwise recipe does."""
 
     scaling: str = "tile"
     tile: int = 128
     grad_format: str = "e4m3"
+
+    @property
+    def power_of_two(self) -> bool:
+        return self.scaling == "row"
 
     @classmethod
     def from_config(cls, config: RunConfig, width: int) -> "Recipe":
@@ -51,12 +60,27 @@ class Recipe:
         return cls(config.fp8_scaling, config.fp8_tile or auto_tile(width), config.fp8_grad_format)
 
     def activation(self, x: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
-        """x [M, K] as the matmul reads it: 1 x t tiles along K (the last dimension), or one scale."""
-        return fake_quantise(x, fmt, "tile" if self.scaling == "tile" else "tensor", self.tile)
+        """x [M, K] as the matmul reads it: 1 x t tiles along K (the last dimension), one scale per row, or one."""
+        if self.scaling == "tensor":
+            return fake_quantise(x, fmt, "tensor")
+        tile = x.shape[-1] if self.scaling == "row" else self.tile
+        return fake_quantise(x, fmt, "tile", max(tile, 1), self.power_of_two)
 
     def weight(self, w: torch.Tensor) -> torch.Tensor:
-        """w [N, K] as the matmul reads it: t x t blocks, or one scale."""
+        """w [N, K] as the forward matmul reads it: t x t blocks, one scale per row (along K), or one."""
+        if self.scaling == "row":
+            return self.activation(w)
         return fake_quantise(w, "e4m3", "block" if self.scaling == "tile" else "tensor", self.tile)
+
+    def product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a @ b of two fake-quantised operands, summed in fp32; rounded to bf16 under "row" (torchao's output)."""
+        out = a @ b
+        return out.to(torch.bfloat16).float() if self.scaling == "row" else out
+
+    def weight_for_grad_input(self, w: torch.Tensor, forward: torch.Tensor) -> torch.Tensor:
+        """w [N, K] as dx = dy @ w reads it, which sums over N: per column under "row" (a cast of its own, as
+        torchao's); the forward's blocks or tensor scale otherwise (one square block serves both directions)."""
+        return self.activation(w.t()).t() if self.scaling == "row" else forward
 
 
 class FP8Matmul(torch.autograd.Function):
@@ -65,19 +89,19 @@ class FP8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, recipe: Recipe) -> torch.Tensor:
         wq = recipe.weight(w)
-        ctx.save_for_backward(x, wq)
+        ctx.save_for_backward(x, w, wq)
         ctx.recipe = recipe
-        return recipe.activation(x) @ wq.t()
+        return recipe.product(recipe.activation(x), wq.t())
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        x, wq = ctx.saved_tensors
+        x, w, wq = ctx.saved_tensors
         recipe = ctx.recipe
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = recipe.activation(dy, recipe.grad_format) @ wq                   # dgrad: sums over N
+            dx = recipe.product(recipe.activation(dy, recipe.grad_format), recipe.weight_for_grad_input(w, wq))
         if ctx.needs_input_grad[1]:  # wgrad sums over tokens: tiles run along them (the transposed operands)
-            dw = recipe.activation(dy.t(), recipe.grad_format) @ recipe.activation(x.t()).t()
+            dw = recipe.product(recipe.activation(dy.t(), recipe.grad_format), recipe.activation(x.t()).t())
         return dx, dw, None
 
 

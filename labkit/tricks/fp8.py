@@ -5,6 +5,7 @@
     fp8.roundtrip(x, tile=16)            # quantisation error per format and granularity, against the bound
     fp8.outlier_case()                   # one activation of 1e5: per-tensor vs 1 x 128 / 128 x 128 scaling
     fp8.scaled_mm_check()                # the simulated FP8 GEMM against torch._scaled_mm on this CPU
+    fp8.torchao_check(steps=8)           # torchao's Float8Linear against labkit's simulation, trained side by side
     fp8.model_tensors(cfg)               # the tiny model's own activations, weights and gradients, quantised
     runs = fp8.train({"fp32": {}, "fp8 tile": {"precision": "fp8"}}, steps=20)
     fp8.loss_table(runs)                 # final losses and the gaps to fp32 and bf16, beside V3's 0.25%
@@ -16,6 +17,8 @@ fp32), so time measured here says nothing about FP8's speed on a GPU's tensor co
 """
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 from typing import Any
 
 import numpy as np
@@ -26,7 +29,7 @@ from ..config import RunConfig
 from ..records import Run
 from ..run.launch import launch
 from ..training.fp8 import FORMATS, error_bound, fake_quantise, quantise, relative_error
-from ..training.fp8_layers import apply_fp8, candidates, kept
+from ..training.fp8_layers import apply_fp8, candidates, is_fp8, kept
 from ..training.fp8_linear import FP8Matmul, Recipe, auto_tile
 from ..training.fp8_wire import FP8Dispatch, wire_bytes
 from ..training.seeding import seed_everything
@@ -116,6 +119,71 @@ def scaled_mm_check(m: int = 64, k: int = 128, n: int = 32, seed: int = 0) -> di
         torch_fp8 = torch._scaled_mm(fa, fb.t(), scale_a=sa.float(), scale_b=sb.float(), out_dtype=torch.float32)
         simulated = qa.dequantise() @ qb.dequantise().t()
         out[f"{name}_difference"] = ((torch_fp8 - simulated).abs().max() / simulated.abs().max()).item()
+    return out
+
+
+TORCHAO_RECIPES = {"tensorwise": {"fp8_scaling": "tensor", "fp8_grad_format": "e5m2"},
+                   "rowwise": {"fp8_scaling": "row", "fp8_grad_format": "e4m3"}}
+"""torchao's two recipes that run on a CPU, as RunConfig fields: its tensorwise recipe casts gradients to E5M2, its
+rowwise recipe everything to E4M3 with power-of-two scales (torchao.float8.Float8LinearConfig.from_recipe_name)."""
+
+
+def torchao_available() -> bool:
+    """Whether torchao (the fp8 extra: pip install 'labkit[fp8]') can be imported here."""
+    return importlib.util.find_spec("torchao") is not None
+
+
+def torchao_check(steps: int = 8, lr: float = 1e-2, seed: int = 0) -> pd.DataFrame:
+    """In this process, per recipe of TORCHAO_RECIPES: the tiny DeepSeek-V3 trained `steps` AdamW steps twice from
+    the same weights on the same batches, its nn.Linear layers once as torchao's Float8Linear (fp8_engine "torchao")
+    and once in labkit's simulation of the same recipe (the routed experts in labkit's simulation both times).
+    One row per recipe: the layers torchao converted, the torch._scaled_mm calls one step made in each (counted by
+    torch.profiler), each run's first and last loss, and the largest relative gap between the two runs' losses
+    (every step) and gradients (every parameter, first step). attrs["losses"]: {recipe: {engine: [loss per step]}};
+    attrs["layers"]: the converted layers' names and classes. Raises ModuleNotFoundError without torchao."""
+    import torchao  # noqa: F401 - the fp8 extra; fails here, by name, when it is missing
+
+    rows, losses, layers = [], {}, {}
+    for recipe, fields in TORCHAO_RECIPES.items():
+        runs = {engine: _train_here(lesson_config(task="tinymoe", precision="fp8", fp8_engine=engine, seed=seed,
+                                                  **fields), steps, lr) for engine in ("labkit", "torchao")}
+        ours, theirs = runs["labkit"], runs["torchao"]
+        losses[recipe] = {engine: run["losses"] for engine, run in runs.items()}
+        layers = theirs["classes"]
+        rows.append({"recipe": recipe, **fields, "torchao_layers": len(theirs["torchao"]),
+                     "scaled_mm_per_step": theirs["scaled_mm"], "labkit_scaled_mm": ours["scaled_mm"],
+                     "loss_first": theirs["losses"][0], "loss_last": theirs["losses"][-1],
+                     "loss_gap": max(abs(a - b) / abs(b) for a, b in zip(theirs["losses"], ours["losses"])),
+                     "grad_gap": max(relative_error(ours["grads"][n], g) for n, g in theirs["grads"].items())})
+    table = pd.DataFrame(rows).set_index("recipe")
+    table.attrs.update(losses=losses, layers=layers, steps=steps)
+    return table
+
+
+def _nothing() -> contextlib.nullcontext:
+    return contextlib.nullcontext()
+
+
+def _train_here(config: RunConfig, steps: int, lr: float) -> dict[str, Any]:
+    """config's model switched as the loop switches it, trained `steps` AdamW steps in this process on the task's
+    batches; the first step under torch.profiler (its aten::_scaled_mm calls counted) and its gradients kept."""
+    seed_everything(config.seed)
+    task = make_task(config, 1)
+    model = task.build_model()
+    done = apply_fp8(model, config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    out: dict[str, Any] = {"losses": [], "torchao": done["torchao"],
+                           "classes": {n: type(m).__name__ for n, m in model.named_modules() if is_fp8(m)}}
+    for step in range(steps):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if step == 0 else _nothing() as prof:
+            loss, _ = task.loss(model, *task.batch(step, 0, 0))
+            loss.backward()
+        if step == 0:
+            out["scaled_mm"] = sum(1 for e in prof.events() if e.name == "aten::_scaled_mm")
+            out["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        optimizer.step()
+        optimizer.zero_grad()
+        out["losses"].append(loss.item())
     return out
 
 
