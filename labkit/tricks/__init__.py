@@ -28,6 +28,7 @@
     deepseek.py    ZeRO-3 + TP vs DeepSeek-V3's PP x EP x ZeRO-1: bytes, messages   (lesson 21)
     deepseek_rope.py   TP on MLA: the rotary key's gradient left unsummed          (lesson 21)
     deepseek_scale.py  the two layouts at V3's size, on its network: a model      (lesson 21)
+    plans.py       transformers' own DeepSeek-V3 TP and EP plans beside labkit's  (lesson 21)
 
     from labkit.tricks import comm
     comm.benchmark(world_size=2)

@@ -26,15 +26,22 @@ gradient in backward (Megatron's "f" operator), as the column-wise layers do for
 
 **Why the routed experts are not split.** transformers keeps all experts of a layer in two fused 3-D parameters,
 gate_up_proj [E, 2I, H] and down_proj [E, H, I], and runs them through grouped_mm; the gate and up halves of
-gate_up_proj lie one after the other on dim 1 (`chunk(2)` separates them). A column-wise split of dim 1 would give
-one rank every gate and the other every up, not half of each: the fused parameter would have to be rebuilt
-interleaved first (as tensor_parallel.py rebuilds GPT-2's fused QKV) and the grouped kernel taught about DTensors.
-And it would buy little: experts are where DeepSeek-V3 uses expert parallelism instead, because each token uses a
-few experts, and splitting every expert's matrices adds two all-reduces per MoE layer for all tokens. So here they
-stay whole on both ranks of a TP pair (both compute them on the same tokens) and FSDP shards them over the
-data-parallel ranks along the expert dimension (E/dp experts' rows each), gathered for forward and backward as
-every other parameter is. Both TP ranks then hold and compute identical experts: the price of the article's layout
-for an MoE, measured in the lesson.
+gate_up_proj lie one after the other on dim 1 (`chunk(2)` separates them). A plain column-wise split of dim 1 would
+give one rank every gate and the other every up. transformers' own DeepSeek-V3 plan (base_model_tp_plan) does not
+do that: its `packed_colwise` style shards gate_up_proj with a _StridedShard(dim=1, split_factor=2), which cuts
+dim 1 into its 2 packed parts first and then each part over the ranks, so rank r holds rows r*I/T..(r+1)*I/T of the
+gate and the same rows of the up, side by side, and the local chunk(2) still separates a matching gate and up;
+down_proj goes `rowwise` (its I columns), and `moe_tp_experts` all-reduces the experts' partial outputs. No rebuild
+of the parameter is needed there. labkit does not split them over the TP pair, for V3's reason: experts are where
+DeepSeek-V3 uses expert parallelism instead (base_model_ep_plan's `grouped_gemm`: whole experts per rank, as
+experts.py does), because each token uses a few experts, and splitting every expert's matrices adds an all-reduce
+of every token's MoE output per layer, and another of its input gradient in backward. So here they stay whole on
+both ranks of a TP pair (both compute them on the same tokens) and FSDP shards them over the data-parallel ranks
+along the expert dimension (E/dp experts' rows each), gathered for forward and backward as every other parameter
+is. Both TP ranks then hold and compute identical experts: the price of the article's layout for an MoE, measured
+in the lesson. labkit.tricks.plans sets this plan beside transformers' own, row by row (transformers' V3 plan also
+leaves attention whole; its DeepSeek-V2 plan splits it as this one does, rotary key included: its `mla_kv_a_proj`
+does what sum_rope_gradient does, an all-reduce of the rotary key's gradient in backward).
 """
 from __future__ import annotations
 
@@ -42,6 +49,10 @@ from typing import Any
 
 import torch
 from torch import nn
+
+
+ROPE_SOURCE = "kv_a_proj_with_mqa"
+"""The attention module whose last qk_rope_head_dim outputs are the rotary key every head shares (sum_rope_gradient)."""
 
 
 def layer_plan(layer: nn.Module) -> dict:
@@ -86,7 +97,7 @@ def sum_rope_gradient(attn: nn.Module, mesh: Any) -> Any:
         kept, rope = out[..., :latent], out[..., latent:]
         rope = DTensor.from_local(rope, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
         return torch.cat([kept, rope], dim=-1)
-    return attn.kv_a_proj_with_mqa.register_forward_hook(hook)
+    return getattr(attn, ROPE_SOURCE).register_forward_hook(hook)
 
 
 def shard_deepseek(model: nn.Module, mesh: Any, *, reshard_after_forward: bool = True) -> nn.Module:
