@@ -14,6 +14,7 @@ Layout (the same under labkit's launcher and under torchrun):
     rank<r>.error.json   written when the rank raised: step, exception, traceback
     rank<r>.beat         a watched rank's progress (`labkit watch`: time, step, state, newest collective)
     rank<r>.fr.json      a rank's flight recorder, dumped when it stalled (lesson 12, `labkit watch`)
+    trace<r>.json        a rank's torch.profiler trace, Chrome trace JSON (labkit.exercises.traced, lesson 16)
     watch.ask, job.log   `labkit watch`'s request for those dumps; the watched command's output (notebooks)
     result<r>.pt         what a launched function returned on rank r
     failure.txt          the launcher's failure report
@@ -142,6 +143,10 @@ class RunDir:
     def flight_record(self, rank: int) -> Path:
         """torch's flight recorder of one rank, dumped when it stalled (lesson 12's tools)."""
         return self.path / f"rank{rank}.fr.json"
+
+    def trace(self, rank: int) -> Path:
+        """A rank's torch.profiler trace, Chrome trace JSON (chrome://tracing, Perfetto):  run_dir.trace(0)."""
+        return self.path / f"trace{rank}.json"
 
     def beat(self, rank: int) -> Path:
         """A watched rank's progress (`labkit watch`): four numbers rewritten in place (training/agent.py)."""

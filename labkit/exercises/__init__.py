@@ -10,6 +10,8 @@
     report = ex.check_a2a(dispatch, combine)                  # MoE all-to-all dispatch and combine, 2 and 3 ranks
     print(report); report.measured                            # what was checked, and the numbers behind it
     MyDDP = report.use(ex.NaiveDDP)                           # yours if it passed (blank mode: the reference)
+    traced = ex.trace_step(MyOverlapDDP)                      # one step under torch.profiler: Chrome trace JSON
+    ex.match_trace(ex.read_trace(traced.path(0)), traced.probe(0))   # the trace's all-reduces are the probe's
     ex.solved_copy("notebooks/16_build_ddp_yourself.ipynb", "16.solved.ipynb")   # the folded solutions put in
     ex.blank_copy("notebooks/16_build_ddp_yourself.ipynb")    # a copy in blank mode (wrong code said, not raised)
 
@@ -25,6 +27,7 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     ddp_rank.py    inside a rank: drive a DDP wrapper;    checks_ddp.py, traffic.py: judge what it did
     zero_rank.py   inside a rank: drive an optimizer;     checks_zero.py: judge it; holdings.py: state it holds
     speeds.py      wrappers side by side on a tiny GPT-2 (TorchDDP: torch's DDP behind the same interface)
+    traced.py      one step of a wrapper under torch.profiler: the trace read back, drawn, matched to the probe
     zero_runs.py   optimizer state per rank at several world sizes; training curves
     pipe_rank.py   inside a rank: drive a two-stage pipeline step;  checks_pipeline.py: judge it, one_f_one_b
     checks_tp.py   column- and row-parallel linear layers (tensor parallelism): references, checker
@@ -44,9 +47,11 @@ from .checks_zero import check_sharded_optimizer
 from .holdings import state_holdings
 from .references import BucketedDDP, NaiveDDP, OverlapDDP, ShardedOptimizer, plan_buckets
 from .report import ExerciseFailed, Finding, Report, blank_mode
+from .traced import match_trace, read_trace, trace_step, trace_timeline
 
 __all__ = ["check_ring", "ring_attention", "Ring", "check_ddp", "check_sharded_optimizer", "check_pipeline", "one_f_one_b", "NaiveDDP", "OverlapDDP", "BucketedDDP", "ShardedOptimizer",
            "plan_buckets", "Report", "Finding", "ExerciseFailed", "blank_mode", "blank_copy", "solved_copy", "write_first", "CheckNet",
            "state_holdings"]
 __all__ += ["check_tp", "TP_REFERENCE", "ColumnParallelLinear", "RowParallelLinear"]
 __all__ += ["check_a2a", "a2a_dispatch", "a2a_combine", "a2a_reference"]
+__all__ += ["trace_step", "read_trace", "match_trace", "trace_timeline"]
