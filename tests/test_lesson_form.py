@@ -112,3 +112,13 @@ def test_a_lesson_below_its_floor_is_named():
     assert claims_below_floor(few) == [f"lesson {lesson}: {len(few)} claims logged, fewer than its floor of "
                                        f"{data['floor'][lesson]} (tests/claims_floor.json)"]
     assert claims_below_floor(few + [Outcome(f"{lesson}: one more", "skipped", 0, [], 0.0)]) == []
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.name[:2])
+def test_every_cell_has_its_own_id(lesson):
+    """nbformat 4.5 gives each cell an id (JupyterLab and nbconvert key on it); a cell without one makes nbformat warn
+    on every run today and will be an error in a later nbformat (lesson 15's had none)."""
+    cells = json.loads(lesson.read_text())["cells"]
+    ids = [c.get("id") for c in cells]
+    assert None not in ids, f"{lesson.name}: cells {[i for i, x in enumerate(ids) if x is None]} have no id"
+    assert len(set(ids)) == len(ids), f"{lesson.name}: repeated cell ids"
