@@ -154,6 +154,9 @@ def test_with_a_claims_log_the_index_judges_the_folklore_by_it_and_ends_with_the
                       ROOT / "notebooks" / "course_map.png", log).read_text()
     folklore = page[page.index("The folklore, judged"):page.index('<div class="lesson"')]
     assert page.index('id="track-') < page.index("The folklore, judged") < page.index('<div class="lesson"')
+    # the lessons' heading heads the lessons, not the folklore table (it sat above the table once)
+    assert page.index("The folklore, judged") < page.index('<h2 id="lessons">Every lesson</h2>') \
+        < page.index('<div class="lesson"')
     assert "神操作4：全局设定随机种子" in folklore and "24 records compared" in folklore
     assert folklore.count("not checked") > 10              # the claims this log lacks decide nothing
     assert page.index("Glossary · 术语表") > page.rindex('<div class="lesson"')

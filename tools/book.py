@@ -132,9 +132,11 @@ def build(executed: Path, site: Path, readme: Path = Path("README.md"), tracks: 
         top = _map_section(course, figures, course_map)
     folklore = _tool("folklore").folklore_html(claims) if claims is not None else ""
     glossary = _tool("glossary").glossary_html() if claims is not None or course else ""
+    # after the map and the folklore table, right above the lessons it heads (the map links to it: #lessons)
+    lessons_heading = '<h2 id="lessons">Every lesson</h2>' if course else ""
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>labkit: the lessons</title>"
             f"<style>{STYLE}</style></head><body><h1>labkit: the lessons</h1>"
-            f"<p>{intro}</p>" + top + folklore + "\n".join(parts) + glossary + "</body></html>\n")
+            f"<p>{intro}</p>" + top + folklore + lessons_heading + "\n".join(parts) + glossary + "</body></html>\n")
     index = Path(site) / "index.html"
     index.write_text(page)
     return index
@@ -200,7 +202,7 @@ def _map_section(course: dict[str, Any], figures: Path, course_map: Path | None)
     if off:
         out.append("<p>On no track: " + ", ".join(f'<a href="#lesson-{l.number}">{l.number} · {_inline(l.short)}</a>'
                                                    for l in off) + ".</p>")
-    out.append('<h2 id="lessons">Every lesson</h2></div>')
+    out.append('</div>')
     return "".join(out)
 
 
