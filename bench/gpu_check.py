@@ -22,6 +22,10 @@ Each check prints PASS or FAIL with what it measured; the exit status is the num
    4096^3), per-tensor and per-row scales, and DeepSeek-V3's 1 x 128 / 128 x 128 blocks where this torch and GPU
    run them; each result checked against labkit's simulation (training/fp8.py quantises, the GPU multiplies the
    dequantised values in fp32). What the CPU lesson (20) can only simulate. SKIP below compute capability 8.9.
+7b. torchao's Float8Linear (one rank; SKIP without torchao, the fp8 extra): its tensorwise and rowwise recipes on
+   one nn.Linear at size^2 x size, forward and backward, against labkit's simulation of the same recipe
+   (RunConfig.fp8_engine's two sides, which lesson 20 finds equal on the CPU), and its bf16 forward + backward
+   time against a bf16 nn.Linear's (eager, uncompiled: torchao's casts run as separate kernels).
 8. the fork guard (it initialises CUDA here on purpose): start_method="fork" then raises LaunchError naming
    this file's line, "spawn" trains; seconds to the first step for fork (check 3) and spawn.
 9. after CUDA, labkit's warm process: started before check 8 (forked from this process as `import labkit` forks it
@@ -108,14 +112,16 @@ def where_am_i(ctx: Any) -> dict:
 
 @check("2. ranks on GPUs")
 def ranks_on_gpus(gpus: int, root: Path) -> str:
+    from labkit.run.launch import fork_poisoned_by
+    expected = "spawn" if fork_poisoned_by() else "fork"   # spawn once torchao is imported here (the fp8 extra)
     run = labkit.launch(where_am_i, world_size=gpus, runs_root=root, echo=False, progress=False)
     seen = [run.result(r) for r in range(gpus)]
-    assert run.meta["start_method"] == "fork", run.meta["start_method"]
+    assert run.meta["start_method"] == expected, (run.meta["start_method"], expected)
     for r, s in enumerate(seen):
         assert s["backend"] == "nccl" and s["device"] == f"cuda:{r}" and s["current"] == r, (r, s)
         assert s["sum"] == gpus * (gpus + 1) / 2, (r, s)
     MEASURED["memory_mb"] = min(s["memory_mb"] for s in seen)
-    return f"fork; {seen}"
+    return f"{expected}; {seen}"
 
 
 @check("3. fp16 training on GPUs")
@@ -173,6 +179,8 @@ def precision_speed(root: Path, rounds: int) -> str:
 @check("6. NCCL all_reduce")
 def nccl_busbw(gpus: int, root: Path) -> str:
     from labkit.tricks import comm
+    if gpus < 2:
+        raise Skipped("one GPU: an all_reduce needs 2 ranks, and NCCL one GPU per rank")
     df = comm.benchmark(ops=("all_reduce",), sizes=[64 * 2**20], world_size=gpus, repeats=20, warmup=5,
                         backend="nccl", runs_root=root)
     row = df.iloc[0]
@@ -259,6 +267,62 @@ def fp8_speed(root: Path, size: int, repeats: int) -> str:
     return "; ".join(parts)
 
 
+def torchao_linear(ctx: Any, size: int, repeats: int) -> dict:
+    """In a rank: per recipe, the relative gaps of y, dx, dW between torchao's Float8Linear and labkit's simulation
+    (fp32 layer), and seconds per bf16 forward + backward for nn.Linear and for its Float8Linear."""
+    import copy
+    import importlib.util
+    if importlib.util.find_spec("torchao") is None:
+        return {"skipped": "torchao is not installed (pip install 'labkit[fp8]')"}
+    capability = torch.cuda.get_device_capability(ctx.device)
+    if capability < (8, 9):
+        return {"skipped": f"compute capability {capability}: FP8 tensor cores need 8.9 (Ada) or 9.0 (Hopper) up"}
+    from torchao.float8 import convert_to_float8_training
+    from labkit.training.fp8 import relative_error
+    from labkit.training.fp8_layers import torchao_config
+    from labkit.training.fp8_linear import Recipe, fp8_linear
+    g = torch.Generator(device=ctx.device).manual_seed(0)
+    x, dy = (torch.randn(size, size, device=ctx.device, generator=g) for _ in range(2))
+    w = torch.randn(size, size, device=ctx.device, generator=g) / size**0.5
+    out: dict[str, Any] = {"gpu": torch.cuda.get_device_name(ctx.device), "size": size}
+    for name, recipe in {"tensorwise": Recipe("tensor", 128, "e5m2"), "rowwise": Recipe("row", 128, "e4m3")}.items():
+        layer = torch.nn.Linear(size, size, bias=False, device=ctx.device)
+        with torch.no_grad():
+            layer.weight.copy_(w)
+        theirs = convert_to_float8_training(torch.nn.Sequential(layer), config=torchao_config(recipe))
+        x1, x2, w2 = x.clone().requires_grad_(), x.clone().requires_grad_(), w.clone().requires_grad_()
+        y1 = theirs(x1)
+        y1.backward(dy)
+        y2 = fp8_linear(x2, w2, None, recipe)
+        y2.backward(dy)
+        gaps = {k: relative_error(a, b) for k, a, b in (("y", y1, y2), ("dx", x1.grad, x2.grad),
+                                                         ("dW", theirs[0].weight.grad, w2.grad))}
+        plain = torch.nn.Linear(size, size, bias=False, device=ctx.device, dtype=torch.bfloat16)
+        fp8 = convert_to_float8_training(torch.nn.Sequential(copy.deepcopy(plain)), config=torchao_config(recipe))
+        xb, dyb = x.bfloat16().requires_grad_(), dy.bfloat16()
+        out[name] = {"gaps": gaps, "bf16_s": _gpu_seconds(lambda: plain(xb).backward(dyb), repeats),
+                     "fp8_s": _gpu_seconds(lambda: fp8(xb).backward(dyb), repeats)}
+    return out
+
+
+@check("7b. torchao Float8Linear (one rank)")
+def torchao_speed(root: Path, size: int, repeats: int) -> str:
+    run = labkit.launch(functools.partial(torchao_linear, size=size, repeats=repeats), world_size=1, runs_root=root,
+                        echo=False, progress=False)
+    got = run.result(0)
+    if "skipped" in got:
+        raise Skipped(got["skipped"])
+    parts = [f"{got['gpu']}, Linear({got['size']}, {got['size']}) on {got['size']} tokens"]
+    for name in ("tensorwise", "rowwise"):
+        r = got[name]
+        gaps = ", ".join(f"{k} {v:.1e}" for k, v in r["gaps"].items())
+        parts.append(f"{name}: {gaps} from labkit's simulation; forward + backward {r['fp8_s'] * 1e3:.2f} ms vs "
+                     f"bf16 {r['bf16_s'] * 1e3:.2f} ms ({r['bf16_s'] / r['fp8_s']:.2f}x, eager)")
+        # fast accumulation in the forward GEMM and the GPU's summation order only (equal on the CPU: lesson 20)
+        assert max(r["gaps"].values()) < 1e-2, (name, r["gaps"])
+    return "; ".join(parts)
+
+
 @check("8. fork guard")
 def fork_guard(gpus: int, root: Path) -> str:
     torch.zeros(1, device="cuda")  # this line initialises CUDA here: the guard must name it
@@ -266,7 +330,10 @@ def fork_guard(gpus: int, root: Path) -> str:
         labkit.launch(where_am_i, world_size=gpus, start_method="fork", runs_root=root, echo=False)
         raise AssertionError("fork was allowed with CUDA initialised")
     except LaunchError as exc:
+        from labkit.run.launch import fork_poisoned_by
         named = "gpu_check.py" in str(exc) and "torch.zeros(1, device=" in str(exc)
+        # with torchao installed, its import (through transformers) initialised CUDA first, and the refusal says so
+        named = named or (fork_poisoned_by() is not None and "torchao" in str(exc))
         assert named, f"the refusal does not name the line:\n{exc}"
     cfg = RunConfig(world_size=gpus, global_batch=32 * gpus, steps=5, tensorboard=False)
     run = labkit.launch(cfg, runs_root=root, echo=False, progress=False, start_method="spawn")  # auto: check 9
@@ -288,13 +355,16 @@ def warm_after_cuda(gpus: int, root: Path) -> str:
     assert torch.cuda.is_initialized(), "check 8 should have initialised CUDA here"
     cfg = RunConfig(world_size=gpus, global_batch=32 * gpus, steps=5, tensorboard=False)
     runs = [labkit.launch(cfg, runs_root=root, echo=False, progress=False) for _ in range(2)]  # auto
-    assert [r.meta["start_method"] for r in runs] == ["warm", "warm"], [r.meta["start_method"] for r in runs]
+    from labkit.run.launch import fork_poisoned_by
+    expected = "spawn" if fork_poisoned_by() else "warm"   # torchao imported: no fork, not even from the warm process
+    assert [r.meta["start_method"] for r in runs] == [expected] * 2, [r.meta["start_method"] for r in runs]
     for run in runs:
         devices = [r["device"] for r in run.meta.get("ranks", [])] or None
         assert len(run.steps()) == 5 and run.df["cuda_peak_mb"].gt(0).all(), (devices, run.df.columns.tolist())
     firsts = [r.summary()["time_to_first_step_s"] for r in runs]
     spawn_s = MEASURED.get("spawn_first_step_s", math.nan)
-    return (f"auto forked the ranks from the warm process, on the GPUs (cuda_peak_mb "
+    how = "forked the ranks from the warm process" if expected == "warm" else "spawned the ranks (torchao installed)"
+    return (f"auto {how}, on the GPUs (cuda_peak_mb "
             f"{runs[-1].df.groupby('rank')['cuda_peak_mb'].max().round(1).tolist()}); first step: warm "
             f"{firsts[0]:.2f} s, then {firsts[1]:.2f} s; spawn {spawn_s:.2f} s (check 8): "
             f"{firsts[1] / spawn_s:.2f}x")
@@ -319,6 +389,7 @@ def main() -> int:
     precision_speed(root, 1 if args.quick else 3)
     nccl_busbw(gpus, root)
     fp8_speed(root, 4096 if args.quick else 8192, 10 if args.quick else 30)
+    torchao_speed(root, 4096 if args.quick else 8192, 10 if args.quick else 30)
     warm_before_cuda()      # forked now, while CUDA is untouched here (as import labkit does in a notebook)
     fork_guard(gpus, root)  # it initialises CUDA in this process
     warm_after_cuda(gpus, root)

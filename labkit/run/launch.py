@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import multiprocessing as mp
 import os
 import signal
@@ -202,10 +203,35 @@ def _check_arguments(world_size: int | None, config: RunConfig | None, timeout: 
                               f"0..{world_size - 1} and string names and values")
 
 
+def fork_poisoned_by() -> str | None:
+    """Why ranks forked here or from labkit's warm process could not use this machine's GPUs, though CUDA may read as
+    not initialised, or None. On a GPU machine a process that has imported torchao (the fp8 extra) forks children
+    that cannot initialise CUDA ("Cannot re-initialize CUDA in forked subprocess"; measured on an H200 with torchao
+    0.18 and torch 2.11, without labkit too: bench/fork_probe.py), and transformers imports torchao with its model
+    code whenever it is installed, in the warm process too. torch.cuda.device_count() asks NVML, which forks safely."""
+    if "torchao" not in sys.modules and importlib.util.find_spec("torchao") is None:
+        return None
+    import torch
+    if torch.cuda.device_count() > 0:
+        return ("torchao is installed (transformers imports it), and on a GPU machine a process that has imported it "
+                "forks children that cannot initialise CUDA")
+    return None
+
+
 def choose_start_method(requested: str) -> str:
     """"auto": "warm" when CUDA is initialised here (else "spawn", where LABKIT_PREWARM=0), or when a warm process
     runs and this process has not imported what ranks need (launch() then checks that it may stand in: _prepare_warm);
     else "fork". An explicit fork with CUDA initialised fails."""
+    poisoned = fork_poisoned_by()
+    if poisoned is not None:   # the warm process imports torchao too: only spawned ranks can use the GPUs
+        if requested in ("fork", "warm"):
+            also = cuda_init_culprit()   # and CUDA initialised here, if it is: the call that did it
+            raise LaunchError(f"cannot fork ranks: {poisoned}." + (f"\n{also}" if also else "")
+                              + "\nUse start_method='spawn' (or 'auto').")
+        if requested == "auto":
+            print(f"labkit: ranks are spawned (slower to start): {poisoned}")
+            return "spawn"
+        return requested
     culprit = cuda_init_culprit()
     if culprit is None:
         if requested != "auto":
