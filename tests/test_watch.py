@@ -206,3 +206,36 @@ def test_the_odd_rank_of_two_is_the_one_waiting_in_a_collective_the_other_never_
     assert odd == [0] and waiting[0].op == "barrier" and waiting[1].seq == 3
     same = fr.assign(op="all_reduce", line="train.py:14 in <module>", sizes="[[9]]")   # both in one place
     assert waiting_places(same)[1] == []
+
+
+TORCHRUN_SUMMARY = """labkit FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-04_16:04:46
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 19227)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-04_16:04:46
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 19228)  (SIGKILL)
+  error_file: <N/A>
+"""
+
+
+def test_ranks_seen_gone_in_one_poll_are_ordered_by_torchruns_root_cause():
+    """Seen once in CI: rank 1 SIGKILLed, rank 0 SIGTERMed by torchrun's agent a few ms later, both seen gone in the
+    same poll: labkit named rank 0. torchrun's summary says which went first; labkit's own clock still wins when it
+    saw them more than a poll apart."""
+    from labkit.run import watch as watching
+    assert watching.torchrun_root_cause(TORCHRUN_SUMMARY) == 1
+    assert watching.torchrun_root_cause("no summary here") is None
+    tie = watching._first_by_torchrun([0, 1], {0: 100.0, 1: 100.0}, TORCHRUN_SUMMARY)
+    assert min(tie, key=tie.get) == 1
+    apart = {0: 100.0, 1: 100.0 + 5 * watching.POLL_S}
+    assert watching._first_by_torchrun([0, 1], apart, TORCHRUN_SUMMARY) == apart
+    assert watching._first_by_torchrun([0, 1], {0: 100.0, 1: 100.0}, "") == {0: 100.0, 1: 100.0}

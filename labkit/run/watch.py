@@ -222,6 +222,8 @@ def supervise(command: Sequence[str], run_dir: RunDir, timeout: float, *, startu
         elif proc.returncode not in (0, None) and ranks:
             exited_at = await_exits(procs, exited_at)
             failed = sorted((r for r in exited_at if procs[r].exit_code() not in (0, None)), key=exited_at.get)
+            exited_at = _first_by_torchrun(failed, exited_at, _read(run_dir.job_output))
+            failed.sort(key=exited_at.get)
             if failed:
                 failure = _explain(classify_exits(procs, FileBeats(run_dir), run_dir.path, failed, exited_at),
                                    run_dir)
@@ -233,6 +235,27 @@ def supervise(command: Sequence[str], run_dir: RunDir, timeout: float, *, startu
     write_outcome(run_dir.path, None if outcome == "finished" else str(failure or f"exit status {code}"))
     write_meta(run_dir.path, **{**_meta(run_dir), "world_size": len(ranks), "exit_code": code})
     return Job(run_dir.path, code, outcome, failure, sorted(ranks), time.time() - started)
+
+
+def torchrun_root_cause(output: str) -> int | None:
+    """The rank torchrun's agent names as its "Root Cause (first observed failure)" in the summary it prints when a
+    rank fails, or None (not torchrun, or no such summary):  torchrun_root_cause(job_output_text) -> 1."""
+    found = re.search(r"Root Cause \(first observed failure\):.*?\n\s*rank\s*:\s*(\d+)", output, re.S)
+    return int(found.group(1)) if found else None
+
+
+def _first_by_torchrun(failed: list[int], exited_at: dict[int, float], output: str) -> dict[int, float]:
+    """When labkit saw several ranks gone in the same poll (POLL_S apart at most), which went first is torchrun's to
+    say: its agent saw each exit code, and it stops the other ranks (SIGTERM) only after the first failure. Without
+    this, a rank killed from outside and the peer torchrun then terminated tied, and the lower rank was named (seen
+    once in CI: rank 0 named for rank 1's SIGKILL)."""
+    named = torchrun_root_cause(output)
+    if named not in failed or len(failed) < 2:
+        return exited_at
+    first = min(exited_at[r] for r in failed)
+    if exited_at[named] - first > POLL_S:
+        return exited_at   # labkit saw it go later, by more than a poll: its own clock stands
+    return {**exited_at, named: first - POLL_S / 10}
 
 
 def _meta(run_dir: RunDir) -> dict[str, Any]:
