@@ -112,7 +112,7 @@ def where_am_i(ctx: Any) -> dict:
 
 @check("2. ranks on GPUs")
 def ranks_on_gpus(gpus: int, root: Path) -> str:
-    from labkit.run.launch import fork_poisoned_by
+    from labkit.run.cuda_guard import fork_poisoned_by
     expected = "spawn" if fork_poisoned_by() else "fork"   # spawn once torchao is imported here (the fp8 extra)
     run = labkit.launch(where_am_i, world_size=gpus, runs_root=root, echo=False, progress=False)
     seen = [run.result(r) for r in range(gpus)]
@@ -330,7 +330,7 @@ def fork_guard(gpus: int, root: Path) -> str:
         labkit.launch(where_am_i, world_size=gpus, start_method="fork", runs_root=root, echo=False)
         raise AssertionError("fork was allowed with CUDA initialised")
     except LaunchError as exc:
-        from labkit.run.launch import fork_poisoned_by
+        from labkit.run.cuda_guard import fork_poisoned_by
         named = "gpu_check.py" in str(exc) and "torch.zeros(1, device=" in str(exc)
         # with torchao installed, its import (through transformers) initialised CUDA first, and the refusal says so
         named = named or (fork_poisoned_by() is not None and "torchao" in str(exc))
@@ -355,7 +355,7 @@ def warm_after_cuda(gpus: int, root: Path) -> str:
     assert torch.cuda.is_initialized(), "check 8 should have initialised CUDA here"
     cfg = RunConfig(world_size=gpus, global_batch=32 * gpus, steps=5, tensorboard=False)
     runs = [labkit.launch(cfg, runs_root=root, echo=False, progress=False) for _ in range(2)]  # auto
-    from labkit.run.launch import fork_poisoned_by
+    from labkit.run.cuda_guard import fork_poisoned_by
     expected = "spawn" if fork_poisoned_by() else "warm"   # torchao imported: no fork, not even from the warm process
     assert [r.meta["start_method"] for r in runs] == [expected] * 2, [r.meta["start_method"] for r in runs]
     for run in runs:

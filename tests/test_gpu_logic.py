@@ -91,15 +91,14 @@ def test_with_torchao_imported_on_a_gpu_machine_ranks_are_spawned_not_forked(mon
     auto spawns, and an explicit fork or warm is refused naming torchao."""
     import sys
     import types
-    import labkit.run.launch
-    launching = sys.modules["labkit.run.launch"]
     monkeypatch.setitem(sys.modules, "torchao", sys.modules.get("torchao") or types.ModuleType("torchao"))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(launching.importlib.util, "find_spec", lambda name, *a: object())   # installed
-    assert "torchao is installed" in launching.fork_poisoned_by()
+    from labkit.run import cuda_guard
+    monkeypatch.setattr(cuda_guard.importlib.util, "find_spec", lambda name, *a: object())   # installed
+    assert "torchao is installed" in cuda_guard.fork_poisoned_by()
     assert choose_start_method("auto") == "spawn" and choose_start_method("spawn") == "spawn"
     for method in ("fork", "warm"):
         with pytest.raises(LaunchError, match="torchao is installed"):
             choose_start_method(method)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)   # a CPU machine: fork as ever
-    assert launching.fork_poisoned_by() is None and choose_start_method("fork") == "fork"
+    assert cuda_guard.fork_poisoned_by() is None and choose_start_method("fork") == "fork"

@@ -2,6 +2,7 @@
 
     from labkit.cuda_guard import cuda_init_culprit
     cuda_init_culprit()   # None while CUDA is untouched; else the file and line of the call that initialised it
+    fork_poisoned_by()    # why forked ranks could not use the GPUs though CUDA is untouched here (torchao), or None
 
 Importing labkit wraps torch.cuda._lazy_init, the one function every CUDA initialisation goes through (tensor
 creation on a GPU included), to remember its caller. CUDA initialised before labkit was imported is reported
@@ -9,7 +10,9 @@ as such, with the advice to import labkit first.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import traceback
 from pathlib import Path
 from typing import Callable
@@ -57,6 +60,20 @@ def cuda_init_culprit() -> str | None:
     users = [frame for frame in _cuda_init_stack if not is_library_file(frame.filename)]
     where = (users or _cuda_init_stack)[-3:]
     return "CUDA was initialised by this call:\n" + "".join(traceback.format_list(where)).rstrip()
+
+
+def fork_poisoned_by() -> str | None:
+    """Why ranks forked here or from labkit's warm process could not use this machine's GPUs, though CUDA may read as
+    not initialised, or None. On a GPU machine a process that has imported torchao (the fp8 extra) forks children
+    that cannot initialise CUDA ("Cannot re-initialize CUDA in forked subprocess"; measured on an H200 with torchao
+    0.18 and torch 2.11, without labkit too: bench/fork_probe.py), and transformers imports torchao with its model
+    code whenever it is installed, in the warm process too. torch.cuda.device_count() asks NVML, which forks safely."""
+    if "torchao" not in sys.modules and importlib.util.find_spec("torchao") is None:
+        return None
+    if torch.cuda.device_count() > 0:
+        return ("torchao is installed (transformers imports it), and on a GPU machine a process that has imported it "
+                "forks children that cannot initialise CUDA")
+    return None
 
 
 def is_library_file(filename: str) -> bool:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.util
 import multiprocessing as mp
 import os
 import signal
@@ -42,7 +41,7 @@ from ..rundir import RunDir, runs_root as resolve_runs_root
 from ..training.loop import train
 from ..training.tasks import preload
 from . import prewarm, restarts, warm
-from .cuda_guard import cuda_init_culprit
+from .cuda_guard import cuda_init_culprit, fork_poisoned_by
 from .diagnose import await_exits, classify_exits, diagnose_hang
 from .failure import LaunchError
 from .rank import DONE, FINISHING, RUNNING, Heartbeats, RankSpec, rank_main, spawn_main
@@ -201,21 +200,6 @@ def _check_arguments(world_size: int | None, config: RunConfig | None, timeout: 
                 and all(isinstance(k, str) and isinstance(v, str) for k, v in variables.items())):
             raise LaunchError(f"env[{rank!r}] = {variables!r}: pass {{rank: {{'NAME': 'value'}}}} with ranks in "
                               f"0..{world_size - 1} and string names and values")
-
-
-def fork_poisoned_by() -> str | None:
-    """Why ranks forked here or from labkit's warm process could not use this machine's GPUs, though CUDA may read as
-    not initialised, or None. On a GPU machine a process that has imported torchao (the fp8 extra) forks children
-    that cannot initialise CUDA ("Cannot re-initialize CUDA in forked subprocess"; measured on an H200 with torchao
-    0.18 and torch 2.11, without labkit too: bench/fork_probe.py), and transformers imports torchao with its model
-    code whenever it is installed, in the warm process too. torch.cuda.device_count() asks NVML, which forks safely."""
-    if "torchao" not in sys.modules and importlib.util.find_spec("torchao") is None:
-        return None
-    import torch
-    if torch.cuda.device_count() > 0:
-        return ("torchao is installed (transformers imports it), and on a GPU machine a process that has imported it "
-                "forks children that cannot initialise CUDA")
-    return None
 
 
 def choose_start_method(requested: str) -> str:
