@@ -247,13 +247,19 @@ def _gpu_seconds(fn: Callable[[], Any], repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-@check("7. FP8 GEMM (one rank)")
-def fp8_speed(root: Path, size: int, repeats: int) -> str:
-    run = labkit.launch(functools.partial(fp8_gemm, size=size, repeats=repeats), world_size=1, runs_root=root,
-                        echo=False, progress=False)
+def in_one_rank(fn: Callable[..., dict], root: Path, **kwargs: Any) -> dict:
+    """fn(ctx, **kwargs) in one rank (so that this process leaves CUDA alone), its result; Skipped where it said
+    {"skipped": why}."""
+    run = labkit.launch(functools.partial(fn, **kwargs), world_size=1, runs_root=root, echo=False, progress=False)
     got = run.result(0)
     if "skipped" in got:
         raise Skipped(got["skipped"])
+    return got
+
+
+@check("7. FP8 GEMM (one rank)")
+def fp8_speed(root: Path, size: int, repeats: int) -> str:
+    got = in_one_rank(fp8_gemm, root, size=size, repeats=repeats)
     flops, parts = 2 * size**3, [f"{got['gpu']}, {size}^3: bf16 {2 * size**3 / got['bf16_s'] / 1e12:.0f} TFLOP/s"]
     for name in ("tensor", "row", "block 1x128/128x128"):
         r = got[name]
@@ -307,11 +313,7 @@ def torchao_linear(ctx: Any, size: int, repeats: int) -> dict:
 
 @check("7b. torchao Float8Linear (one rank)")
 def torchao_speed(root: Path, size: int, repeats: int) -> str:
-    run = labkit.launch(functools.partial(torchao_linear, size=size, repeats=repeats), world_size=1, runs_root=root,
-                        echo=False, progress=False)
-    got = run.result(0)
-    if "skipped" in got:
-        raise Skipped(got["skipped"])
+    got = in_one_rank(torchao_linear, root, size=size, repeats=repeats)
     parts = [f"{got['gpu']}, Linear({got['size']}, {got['size']}) on {got['size']} tokens"]
     for name in ("tensorwise", "rowwise"):
         r = got[name]
