@@ -38,7 +38,7 @@ from ..rundir import RunDir
 from ..training.tasks import make_task
 from ..view import COLORS, new_figure, shown
 from .probe import CommProbe
-from .speeds import tinylm_config
+from .speeds import _communication, tinylm_config
 
 # The step's phases, as record_function spans in the trace (named so that no torch event shares the name).
 SPANS = {"forward": "labkit: forward", "backward": "labkit: backward",
@@ -110,10 +110,9 @@ def _trace_rank(ctx: Any, wrapper: Callable[[nn.Module], nn.Module], warm: int, 
     with CommProbe() as probe, profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         loss, started, ended = step(warm)
     prof.export_chrome_trace(str(RunDir(ctx.run_dir).trace(ctx.rank)))
-    events = probe.of(op="all_reduce")
+    timeline = _communication(probe.of(op="all_reduce"), started, ended)["timeline"]   # [start, end, bytes], s
     ctx.record(warm, loss=loss, t_backward=ended - started,
-               allreduces=[[e["bytes"], (e["start"] - started) * 1e3, ((e["end"] or e["start"]) - started) * 1e3]
-                           for e in events])
+               allreduces=[[size, start * 1e3, end * 1e3] for start, end, size in timeline])
 
 
 # --- reading a trace ---------------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 import traceback
 from pathlib import Path
 from typing import Callable
@@ -68,7 +67,7 @@ def fork_poisoned_by() -> str | None:
     that cannot initialise CUDA ("Cannot re-initialize CUDA in forked subprocess"; measured on an H200 with torchao
     0.18 and torch 2.11, without labkit too: bench/fork_probe.py), and transformers imports torchao with its model
     code whenever it is installed, in the warm process too. torch.cuda.device_count() asks NVML, which forks safely."""
-    if "torchao" not in sys.modules and importlib.util.find_spec("torchao") is None:
+    if importlib.util.find_spec("torchao") is None:
         return None
     if torch.cuda.device_count() > 0:
         return ("torchao is installed (transformers imports it), and on a GPU machine a process that has imported it "

@@ -205,7 +205,8 @@ def _check_arguments(world_size: int | None, config: RunConfig | None, timeout: 
 def choose_start_method(requested: str) -> str:
     """"auto": "warm" when CUDA is initialised here (else "spawn", where LABKIT_PREWARM=0), or when a warm process
     runs and this process has not imported what ranks need (launch() then checks that it may stand in: _prepare_warm);
-    else "fork". An explicit fork with CUDA initialised fails."""
+    else "fork". An explicit fork with CUDA initialised fails. On a GPU machine with torchao installed (the fp8 extra)
+    no process may fork ranks (cuda_guard.fork_poisoned_by): "auto" spawns, and fork or warm fail saying why."""
     poisoned = fork_poisoned_by()
     if poisoned is not None:   # the warm process imports torchao too: only spawned ranks can use the GPUs
         if requested in ("fork", "warm"):

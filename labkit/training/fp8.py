@@ -105,8 +105,8 @@ class Quantised:
 def quantise(x: torch.Tensor, fmt: str = "e4m3", granularity: str = "tensor", tile: int = 128,
              power_of_two: bool = False) -> Quantised:
     """x in FP8 with scales: one per tensor, per 1 x tile run along the last dimension, or per tile x tile block of a
-    2-D tensor (see the module docstring). power_of_two: each scale rounded up to a power of two (torchao's rowwise
-    recipe does so: dividing by it is then exact, and a value lands on the same FP8 number wherever it is cast)."""
+    2-D tensor (see the module docstring). power_of_two: each multiplier (max / amax) rounded down to a power of two,
+    so each scale up to one, as torchao's rowwise recipe does (scaling by it is then exact)."""
     spec = fp8_format(fmt)
     x = x.detach().float()
     if granularity == "tensor":

@@ -11,7 +11,8 @@ With scaling "tensor" every operand gets one scale instead. With scaling "row" (
 operand gets one scale per row along the dimension its product sums over, rounded to a power of two: x and W per
 row along K forward, dy per row along N and W per column (along N) for dx, dy and x along the tokens for dW; and
 each product is rounded to bf16, as torchao writes a rowwise GEMM's output (torch._scaled_mm offers no fp32 output
-for row scales on GPUs, so torchao asks for bf16 everywhere; measured: without it, 0.0017 relative apart). The gradient's format is the recipe's: "e4m3" as V3
+for row scales on GPUs, so torchao asks for bf16 everywhere; measured: without it, 0.0017 relative apart).
+The gradient's format is the recipe's: "e4m3" as V3
 (fine-grained scales make E4M3's narrower range enough), or "e5m2", the older hybrid recipe's choice for gradients
 (its wider range, for one scale per tensor). The bias and its gradient stay in fp32, as do the embeddings, the
 normalisations, attention's own products, the router and the output head (V3 keeps them in higher precision).
@@ -64,6 +65,7 @@ class Recipe:
         if self.scaling == "tensor":
             return fake_quantise(x, fmt, "tensor")
         tile = x.shape[-1] if self.scaling == "row" else self.tile
+        # max(.., 1): an expert given no tokens makes dy.t() of width 0, whose "row" is empty
         return fake_quantise(x, fmt, "tile", max(tile, 1), self.power_of_two)
 
     def weight(self, w: torch.Tensor) -> torch.Tensor:

@@ -160,10 +160,6 @@ def torchao_check(steps: int = 8, lr: float = 1e-2, seed: int = 0) -> pd.DataFra
     return table
 
 
-def _nothing() -> contextlib.nullcontext:
-    return contextlib.nullcontext()
-
-
 def _train_here(config: RunConfig, steps: int, lr: float) -> dict[str, Any]:
     """config's model switched as the loop switches it, trained `steps` AdamW steps in this process on the task's
     batches; the first step under torch.profiler (its aten::_scaled_mm calls counted) and its gradients kept."""
@@ -175,7 +171,8 @@ def _train_here(config: RunConfig, steps: int, lr: float) -> dict[str, Any]:
     out: dict[str, Any] = {"losses": [], "torchao": done["torchao"],
                            "classes": {n: type(m).__name__ for n, m in model.named_modules() if is_fp8(m)}}
     for step in range(steps):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if step == 0 else _nothing() as prof:
+        counting = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        with counting if step == 0 else contextlib.nullcontext() as prof:
             loss, _ = task.loss(model, *task.batch(step, 0, 0))
             loss.backward()
         if step == 0:
