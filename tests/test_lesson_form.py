@@ -90,12 +90,14 @@ def test_a_lesson_out_of_form_is_named_for_what_it_lacks(tmp_path):
 
 # --- no claim dropped (tests/claims_floor.json, enforced by conftest at the end of make test) ----------------------
 
-def test_each_floor_is_the_asserts_before_less_the_ones_removed_with_a_reason():
+def test_each_floor_is_the_asserts_before_less_the_ones_removed_with_a_reason_or_what_it_logs_now():
     data = json.loads((Path(__file__).parent / "claims_floor.json").read_text())
+    raised = data["raised"]["counts"]
     for lesson, floor in data["floor"].items():
         removed = data["removed"].get(lesson, [])
         assert all(isinstance(r, str) and len(r) > 20 for r in removed), f"lesson {lesson}: say why each went"
-        assert floor == data["before"][lesson] - len(removed), f"lesson {lesson}: floor {floor}"
+        expected = max(data["before"][lesson] - len(removed), raised.get(lesson, 0))
+        assert floor == expected, f"lesson {lesson}: floor {floor}, expected {expected}"
     in_form = {p.name[:2] for p in LESSONS if p.name[:2] not in NOT_YET}
     assert in_form <= set(data["floor"]), f"lessons in the form without a floor: {sorted(in_form - set(data['floor']))}"
 
