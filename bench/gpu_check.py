@@ -277,8 +277,8 @@ def torchao_linear(ctx: Any, size: int, repeats: int) -> dict:
     """In a rank: per recipe, the relative gaps of y, dx, dW between torchao's Float8Linear and labkit's simulation
     (fp32 layer), and seconds per bf16 forward + backward for nn.Linear and for its Float8Linear."""
     import copy
-    import importlib.util
-    if importlib.util.find_spec("torchao") is None:
+    from labkit.constraints import torchao_available
+    if not torchao_available():
         return {"skipped": "torchao is not installed (pip install 'labkit[fp8]')"}
     capability = torch.cuda.get_device_capability(ctx.device)
     if capability < (8, 9):

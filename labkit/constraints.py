@@ -268,6 +268,11 @@ def fp8_problems(config: Any) -> list[str]:
     return out
 
 
+def torchao_available() -> bool:
+    """Whether torchao (the fp8 extra: pip install 'labkit[fp8]') can be imported here; it is not imported."""
+    return importlib.util.find_spec("torchao") is not None
+
+
 def _torchao_problems(config: Any) -> list[str]:
     """fp8_engine "torchao": tinymoe (its nn.Linear layers), a recipe torchao runs on this machine, torchao itself."""
     out = []
@@ -278,7 +283,7 @@ def _torchao_problems(config: Any) -> list[str]:
         out.append("RunConfig.fp8_engine = 'torchao' with fp8_scaling = 'tile': torchao's 1 x 128 / 128 x 128 "
                    "blockwise recipe is a Triton prototype that needs a GPU; use fp8_scaling 'tensor' or 'row', or "
                    "fp8_engine 'labkit' (its simulation of V3's tiles)")
-    if importlib.util.find_spec("torchao") is None:
+    if not torchao_available():
         out.append("RunConfig.fp8_engine = 'torchao': torchao is not installed here; pip install 'labkit[fp8]' "
                    "(or `make install`), or use fp8_engine 'labkit'")
     return out

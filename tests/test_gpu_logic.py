@@ -86,15 +86,14 @@ def test_cuda_initialised_before_labkit_is_said_so(monkeypatch):
 
 
 
-def test_with_torchao_imported_on_a_gpu_machine_ranks_are_spawned_not_forked(monkeypatch):
-    """torchao, once imported, leaves a GPU machine's forked children unable to use CUDA (measured on an H200):
-    auto spawns, and an explicit fork or warm is refused naming torchao."""
-    import sys
-    import types
-    monkeypatch.setitem(sys.modules, "torchao", sys.modules.get("torchao") or types.ModuleType("torchao"))
+def test_with_torchao_installed_on_a_gpu_machine_ranks_are_spawned_not_forked(monkeypatch):
+    """torchao, once imported (transformers imports it when installed), leaves a GPU machine's forked children unable
+    to use CUDA (measured on an H200): auto spawns, and an explicit fork or warm is refused naming torchao."""
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torchao" else real(name, *a))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     from labkit.run import cuda_guard
-    monkeypatch.setattr(cuda_guard.importlib.util, "find_spec", lambda name, *a: object())   # installed
     assert "torchao is installed" in cuda_guard.fork_poisoned_by()
     assert choose_start_method("auto") == "spawn" and choose_start_method("spawn") == "spawn"
     for method in ("fork", "warm"):

@@ -10,13 +10,14 @@ as such, with the advice to import labkit first.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import traceback
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from ..constraints import torchao_available
 
 # Library frames are told apart by the file of the module they run in, never by a substring of the path: a checkout
 # named "labkit" (as the README clones it) or a user's project folder called "torch" must not hide the user's call.
@@ -67,7 +68,7 @@ def fork_poisoned_by() -> str | None:
     that cannot initialise CUDA ("Cannot re-initialize CUDA in forked subprocess"; measured on an H200 with torchao
     0.18 and torch 2.11, without labkit too: bench/fork_probe.py), and transformers imports torchao with its model
     code whenever it is installed, in the warm process too. torch.cuda.device_count() asks NVML, which forks safely."""
-    if importlib.util.find_spec("torchao") is None:
+    if not torchao_available():
         return None
     if torch.cuda.device_count() > 0:
         return ("torchao is installed (transformers imports it), and on a GPU machine a process that has imported it "

@@ -18,7 +18,6 @@ fp32), so time measured here says nothing about FP8's speed on a GPU's tensor co
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from typing import Any
 
 import numpy as np
@@ -26,6 +25,7 @@ import pandas as pd
 import torch
 
 from ..config import RunConfig
+from ..constraints import torchao_available
 from ..records import Run
 from ..run.launch import launch
 from ..training.fp8 import FORMATS, error_bound, fake_quantise, quantise, relative_error
@@ -126,11 +126,6 @@ TORCHAO_RECIPES = {"tensorwise": {"fp8_scaling": "tensor", "fp8_grad_format": "e
                    "rowwise": {"fp8_scaling": "row", "fp8_grad_format": "e4m3"}}
 """torchao's two recipes that run on a CPU, as RunConfig fields: its tensorwise recipe casts gradients to E5M2, its
 rowwise recipe everything to E4M3 with power-of-two scales (torchao.float8.Float8LinearConfig.from_recipe_name)."""
-
-
-def torchao_available() -> bool:
-    """Whether torchao (the fp8 extra: pip install 'labkit[fp8]') can be imported here."""
-    return importlib.util.find_spec("torchao") is not None
 
 
 def torchao_check(steps: int = 8, lr: float = 1e-2, seed: int = 0) -> pd.DataFrame:
@@ -334,4 +329,5 @@ def dispatch_bytes_per_value(tile: int, model_bytes: int = 4) -> dict[str, float
 
 __all__ = ["FORMATS", "V3_LOSS_GAP", "all_values", "formats_table", "roundtrip", "outlier_case",
            "scaled_mm_check", "model_tensors", "lesson_config", "train", "loss_table", "dispatch_check",
-           "wire_traffic", "dispatch_bytes_per_value", "auto_tile", "layers_table"]
+           "wire_traffic", "dispatch_bytes_per_value", "auto_tile", "layers_table",
+           "TORCHAO_RECIPES", "torchao_available", "torchao_check"]
