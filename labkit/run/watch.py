@@ -221,7 +221,7 @@ def supervise(command: Sequence[str], run_dir: RunDir, timeout: float, *, startu
             failure = _diagnose_hang(procs, run_dir, timeout)
         elif proc.returncode not in (0, None) and ranks:
             exited_at = await_exits(procs, exited_at)
-            failed = sorted((r for r in exited_at if procs[r].exit_code() not in (0, None)), key=exited_at.get)
+            failed = [r for r in exited_at if procs[r].exit_code() not in (0, None)]
             exited_at = _first_by_torchrun(failed, exited_at, _read(run_dir.job_output))
             failed.sort(key=exited_at.get)
             if failed:
