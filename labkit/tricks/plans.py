@@ -25,7 +25,7 @@ from ..training.moe_task import moe_model_config
 from ..training.parallel import moe_tp
 from ..training.parallel.experts import ExpertBank
 
-__all__ = ["plans_table", "transformers_plans", "labkit_effects", "effect", "EFFECTS", "REASONS"]
+__all__ = ["plans_table", "transformers_plans", "labkit_effects", "effect", "EFFECTS", "REASONS", "WHOLE"]
 
 OUT = "output features"
 IN = "input features"
@@ -80,11 +80,13 @@ def effect(style: str | None) -> str:
     return EFFECTS.get(kind, f"{kind} (effect not recorded)")
 
 
-def _probe_model(config: RunConfig) -> torch.nn.Module:
-    """A DeepSeek-V3 of config's sizes on the meta device, its first layer dense (no parameters allocated, no RNG)."""
+def _meta_model(config: RunConfig, dense_first: bool = False) -> torch.nn.Module:
+    """config's DeepSeek-V3 on the meta device (no parameters allocated, no RNG); dense_first: its first layer made
+    dense, so that the dense MLP's rows are read too."""
     from transformers import DeepseekV3ForCausalLM
     model_config = moe_model_config(config)
-    model_config.first_k_dense_replace = 1
+    if dense_first:
+        model_config.first_k_dense_replace = 1
     with torch.device("meta"):
         return DeepseekV3ForCausalLM(model_config)
 
@@ -93,7 +95,7 @@ def labkit_effects(config: RunConfig) -> dict[tuple[str, str], str]:
     """{(plan, pattern): what labkit does to that weight}: "tp" from moe_tp.layer_plan (and sum_rope_gradient's
     module), "ep" from ExpertBank.from_fused, the copy of its experts each rank of an EP group keeps."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    model = _probe_model(config)
+    model = _meta_model(config, dense_first=True)
     tp: dict[tuple[str, str], str] = {}
     for layer in moe_tp.decoder_layers(model):
         for path, style in moe_tp.layer_plan(layer).items():
@@ -158,8 +160,6 @@ def plans_table(config: RunConfig | None = None) -> pd.DataFrame:
 
 
 def _module_and_parameter_names(config: RunConfig) -> list[str]:
-    """Every module's and parameter's name in config's model (built on the meta device)."""
-    from transformers import DeepseekV3ForCausalLM
-    with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(moe_model_config(config))
+    """Every module's and parameter's name in config's model."""
+    model = _meta_model(config)
     return [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
