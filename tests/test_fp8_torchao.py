@@ -16,7 +16,7 @@ from labkit.training.fp8_layers import apply_fp8, torchao_config
 from labkit.training.fp8_linear import Recipe, fp8_linear
 from labkit.training.tasks import make_task
 
-needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
+needs_torchao = pytest.mark.skipif(not fp8.torchao_available(),
                                    reason="torchao is not installed (pip install 'labkit[fp8]')")
 
 
