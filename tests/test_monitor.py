@@ -66,6 +66,21 @@ def test_a_rank_nobody_waits_for_is_not_a_straggler():
     assert monitor.stragglers(synthetic([0.01], [0.0])) == []
 
 
+def test_a_stretch_of_slow_steps_is_not_a_straggler():
+    """Rank 0 computes half again as long in the first `slow` of 10 steps (another program took its core for a
+    while) and rank 1 waits for it then: a median says 50 % slower once slow > 5, a straggler is slow step after
+    step. (make test once named a rank of a healthy 3-rank run at 27 % over the others' median compute.)"""
+    def stretch(slow):
+        rows = [{"rank": r, "step": s, "t_data": 0.0,
+                 "t_step": 0.015 if s < slow else 0.01, "t_fwd_bwd": 0.005 + (0.005 if r and s < slow else 0.0)}
+                for s in range(10) for r in range(2)]
+        return pd.DataFrame(rows)
+    assert monitor.stragglers(stretch(6), after=0) == []                       # 6 slow steps of 10: not steady
+    assert [s.rank for s in monitor.stragglers(stretch(6), after=0, steady=0.5)] == [0]
+    [found] = monitor.stragglers(stretch(8), after=0)                          # 8 of 10: named
+    assert found.rank == 0 and found.slow_steps == 0.8 and abs(found.share - 0.5) < 1e-9
+
+
 def test_slow_faults_need_a_delay_and_only_they_have_one():
     assert Fault(kind="slow", rank=0, step=0, delay_s=0.01).problems() == []
     with pytest.raises(ConfigError, match="Fault.delay_s = 0"):

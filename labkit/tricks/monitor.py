@@ -89,33 +89,41 @@ def per_rank(table: pd.DataFrame, after: int = 2) -> pd.DataFrame:
 
 @dataclass(frozen=True)
 class Straggler:
-    """A rank the others waited for: its compute per step exceeds theirs by extra_s, and they waited others_wait_s."""
+    """A rank the others waited for: step after step its compute exceeds theirs (by extra_s at the median step),
+    and they waited others_wait_s."""
 
     rank: int
-    extra_s: float          # its median compute minus the other ranks' median compute, per step
+    extra_s: float          # per step, its compute minus the other ranks' median compute: the median over steps
     share: float            # extra_s as a fraction of the others' compute
     others_wait_s: float    # the other ranks' median wait in the all-reduce, per step
     own_wait_s: float       # its own median wait (near zero: it arrives last)
+    slow_steps: float       # the share of steps in which its compute exceeded theirs by more than min_share
 
 
-def stragglers(source: Run | pd.DataFrame, *, after: int = 2, min_share: float = 0.2) -> list[Straggler]:
+def stragglers(source: Run | pd.DataFrame, *, after: int = 2, min_share: float = 0.2,
+               steady: float = 0.75) -> list[Straggler]:
     """The ranks the others waited for, slowest first; [] when no rank stands out:  monitor.stragglers(run).
 
-    A rank is named when its median compute per step exceeds the other ranks' median by more than min_share of
-    theirs, AND the others spent at least half that excess waiting in the all-reduce while it waited less than
-    them: a slow rank that nobody waits for (there is no such thing in synchronous DDP) is not named."""
+    A rank is named when its compute exceeds the other ranks' median compute by more than min_share of theirs in
+    at least `steady` of the steps (from step `after` on), AND the others spent at least half its median excess
+    waiting in the all-reduce while it waited less than them. A straggler is slow step after step: a stretch of
+    slow steps (another program on the rank's core, the scheduler's turns when ranks outnumber cores) is not
+    one, and a slow rank that nobody waits for (no such thing in synchronous DDP) is not named either."""
     table = source.df if isinstance(source, Run) else source
-    medians = compute_and_wait(table[table["step"] >= after]).groupby("rank")[["compute", "wait"]].median()
+    split = compute_and_wait(table[table["step"] >= after])
+    compute = split.pivot(index="step", columns="rank", values="compute").dropna()   # steps every rank recorded
+    waits = split.groupby("rank")["wait"].median()
     found = []
-    for rank in medians.index:
-        others = medians.drop(rank)
-        if others.empty:
+    for rank in compute.columns:
+        if compute.shape[1] < 2 or compute.empty:
             continue
-        base, waited = others["compute"].median(), others["wait"].median()
-        extra = medians.loc[rank, "compute"] - base
-        if extra > min_share * base and waited > extra / 2 and medians.loc[rank, "wait"] < waited:
-            found.append(Straggler(int(rank), float(extra), float(extra / base), float(waited),
-                                   float(medians.loc[rank, "wait"])))
+        base = compute.drop(columns=rank).median(axis=1)      # the others' compute, step by step
+        excess = compute[rank] - base
+        slow_steps = float((excess > min_share * base).mean())
+        extra, waited = float(excess.median()), float(waits.drop(rank).median())
+        if slow_steps >= steady and waited > extra / 2 and waits[rank] < waited:
+            found.append(Straggler(int(rank), extra, extra / float(base.median()), waited, float(waits[rank]),
+                                   slow_steps))
     return sorted(found, key=lambda s: -s.extra_s)
 
 
