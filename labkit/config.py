@@ -122,6 +122,11 @@ class RunConfig:
     pipeline_check: bool = True
     """"pp": on the first step, compare every gradient with the unsplit model's on the same batch and raise
     PipelineGradientError naming the stage and parameter when they differ (catches "fixed_no_grad")."""
+    profile_step: int | None = None
+    """Run this step under torch.profiler on every rank (CPU activity, shapes recorded; CUDA's too on a GPU) and
+    write each rank's Chrome trace JSON to runs/<id>/trace<rank>.json, for Perfetto or chrome://tracing
+    (labkit.tricks.pipeline.read_stage_trace reads a pipeline step's). None: no profiler. The profiler slows the
+    step it watches: leave that step out of timing claims."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size."""
     comm_hook: str = "allreduce"
@@ -319,6 +324,9 @@ class RunConfig:
         if self.dropout and self.task != "tinylm":
             out.append(f"RunConfig.dropout = {self.dropout!r}: dropout exists for task 'tinylm' only "
                        f"(RunConfig.task = {self.task!r}); leave it at 0")
+        if self.profile_step is not None and self.profile_step >= self.steps:
+            out.append(f"RunConfig.profile_step = {self.profile_step}: the run has steps 0 to {self.steps - 1} "
+                       f"(RunConfig.steps = {self.steps}); profile one of them, or None")
         if self.branching > self.vocab_size:
             out.append(f"RunConfig.branching = {self.branching}: must be at most RunConfig.vocab_size = "
                        f"{self.vocab_size}")

@@ -128,6 +128,7 @@ RULES: dict[str, Rule] = {
     "layers": integer(0), "pipeline_ranks": integer(0), "microbatches": integer(1),
     "pipeline_schedule": one_of(*PIPELINE_SCHEDULES), "stages_per_rank": integer(1),
     "pipeline_shapes": one_of(*PIPELINE_SHAPES), "pipeline_check": boolean,
+    "profile_step": optional(integer(0), "no profiler"),
     "fp8_scaling": one_of(*FP8_SCALINGS), "fp8_tile": integer(0), "fp8_grad_format": one_of(*FP8_FORMATS),
     "fp8_dispatch": boolean, "fp8_engine": one_of(*FP8_ENGINES), "pipeline_zero1": boolean, "sequence_parallel": boolean,
     "context_parallel": integer(1), "context_method": one_of(*CONTEXT_METHODS), "context_split": one_of(*CONTEXT_SPLITS),

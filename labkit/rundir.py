@@ -14,7 +14,7 @@ Layout (the same under labkit's launcher and under torchrun):
     rank<r>.error.json   written when the rank raised: step, exception, traceback
     rank<r>.beat         a watched rank's progress (`labkit watch`: time, step, state, newest collective)
     rank<r>.fr.json      a rank's flight recorder, dumped when it stalled (lesson 12, `labkit watch`)
-    trace<r>.json        a rank's torch.profiler trace, Chrome trace JSON (labkit.exercises.traced, lesson 16)
+    trace<r>.json        a rank's torch.profiler trace, Chrome trace JSON (RunConfig.profile_step; lessons 16, 18)
     watch.ask, job.log   `labkit watch`'s request for those dumps; the watched command's output (notebooks)
     result<r>.pt         what a launched function returned on rank r
     failure.txt          the launcher's failure report

@@ -95,12 +95,13 @@ def train(ctx: RankContext, config: RunConfig | None = None) -> None:
                 group["lr"] = lr
             loss_scale, steps_before = scaler.get_scale(), taken.steps
             guard.start_step()
-            with _reported_as_out_of_memory(config, step):
-                loss, extras, t_data, t_fwd_bwd, samples = forward_backward(ddp, task, ctx, config, scaler, step)
-            t0 = time.perf_counter()
-            bad = guard.agree(loss) if guard.agrees else []  # one small all-reduce: every rank decides alike
-            norms = optimizer_step(model, optimizer, scaler, config.clip_norm, take=not bad)
-            t_optim = _elapsed(t0, ctx.device)
+            with _profiled(config, step, ctx):  # RunConfig.profile_step: this step under torch.profiler
+                with _reported_as_out_of_memory(config, step):
+                    loss, extras, t_data, t_fwd_bwd, samples = forward_backward(ddp, task, ctx, config, scaler, step)
+                t0 = time.perf_counter()
+                bad = guard.agree(loss) if guard.agrees else []  # one small all-reduce: every rank decides alike
+                norms = optimizer_step(model, optimizer, scaler, config.clip_norm, take=not bad)
+                t_optim = _elapsed(t0, ctx.device)
             if config.eval_every and ((step + 1) % config.eval_every == 0 or step == config.steps - 1):
                 extras.update(task.evaluate(model))
             if plateau and plateau.due(step):
@@ -166,6 +167,20 @@ def _check_memory_budget(config: RunConfig, growth_mb: float, step: int, batch: 
     if config.memory_budget_mb is not None and growth_mb > config.memory_budget_mb:
         raise OutOfMemoryBudget(f"step {step} needed {growth_mb:.0f} MB above the rank's starting memory; "
                                 f"memory_budget_mb = {config.memory_budget_mb:g}. " + _budget_advice(config, batch))
+
+
+@contextlib.contextmanager
+def _profiled(config: RunConfig, step: int, ctx: RankContext) -> Any:
+    """Step `config.profile_step` under torch.profiler, its Chrome trace written to the run directory on exit;
+    every other step as it is (no profiler: its cost on every op would change what the records time)."""
+    if step != config.profile_step:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=True) as profiler:
+        yield
+    profiler.export_chrome_trace(str(RunDir(ctx.run_dir).trace(ctx.rank)))
 
 
 @contextlib.contextmanager

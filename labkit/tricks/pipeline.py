@@ -11,6 +11,8 @@
     pp.timeline([run, ...])             # a figure: each rank's F / B / I / W actions as they ran
     pp.messages_as_placed(run)          # each rank's sends and receives against what the stages' placement implies
     pp.parameter_shares(run)            # each rank's share of the model's parameters, and the copies in all
+    pp.trace_timeline(run)              # a step run under torch.profiler (RunConfig.profile_step), from its traces
+    pp.match_stage_trace(pp.read_stage_trace(run.dir.trace(0)), pp.step_actions(run, step)[0])  # same actions?
     pp.bubbles_follow_the_formula(sweep)   # gated checks (they assert): the bubble against its formula, ...
 
 The pipeline's traps (a hang, an abort, a rank without numpy), run and named by stage: pipeline_traps.
@@ -41,14 +43,16 @@ from ..training.parallel.pipetrace import (bubble_fractions, gpipe_bubble, in_fl
                                            message_waits, step_summary)
 from ..training.parallel.strategies import COUNTED_STEPS
 from ..view import COLORS, new_figure, shown
+from .pipeline_trace import (KIND_COLORS, PipelineTrace, match_stage_trace, read_stage_trace, step_actions,
+                             trace_timeline)
 
 __all__ = ["Sweep", "lesson_config", "run_pipeline", "pinned_train", "bubble", "bubbles", "summary", "formula", "held",
            "messages", "timeline", "gpipe_bubble", "interleaved_bubble", "bubble_table", "their_models",
            "message_waits", "placement", "messages_as_placed", "parameter_shares",
            "messages_wait_little", "bubbles_follow_the_formula", "ramp_follows_the_interleaved_formula",
-           "interleaving_idles_more_between_actions", "BubbleBelow1F1B", "TOLERANCE"]
+           "interleaving_idles_more_between_actions", "BubbleBelow1F1B", "TOLERANCE", "step_actions",
+           "read_stage_trace", "match_stage_trace", "trace_timeline", "PipelineTrace"]
 
-KIND_COLORS = {"F": COLORS[0], "B": COLORS[1], "I": COLORS[3], "W": COLORS[2]}
 STEADY_FROM = COUNTED_STEPS  # steps 0..2 infer shapes, check gradients and count messages at the dispatcher
 # (which slows every op): the bubble is read from the steps after them
 LOOPED_FORMULA = ("Interleaved1F1B", "LoopedBFS")  # (p-1)/(v m + p-1): the ramp, in chunks of 1/v, paid once
@@ -105,12 +109,6 @@ class Sweep:
 
     def again(self) -> "Sweep":
         return Sweep(self.configs, cores=self.cores, runs_root=self.runs_root)
-
-
-def step_actions(run: Run, step: int) -> dict[int, list]:
-    """{rank: its actions at `step`}, as recorded (pipetrace's rows)."""
-    rows = run.df[run.df.step == step]
-    return {int(r.rank): list(r.pp_actions) for r in rows.itertuples()}
 
 
 def bubbles(run: Run) -> pd.DataFrame:

@@ -1,0 +1,100 @@
+"""A pipeline step under torch.profiler (RunConfig.profile_step): real gloo ranks write their Chrome traces, the
+reader finds torch's own action labels in them, and the match with labkit's timed actions holds, and fails when an
+action is dropped, two are swapped, or one is moved outside torch's span of it."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+import labkit
+from labkit import ConfigError, RunConfig
+from labkit.tricks import pipeline as pp
+
+STEPS = 4   # steps 0..2 count messages at the dispatcher; the profiled step is the first after them
+
+
+def small(schedule: str, v: int = 1, **fields) -> RunConfig:
+    base = dict(strategy="pp", world_size=2, layers=4, global_batch=16, microbatches=4, pipeline_schedule=schedule,
+                stages_per_rank=v, steps=STEPS, profile_step=STEPS - 1, tensorboard=False, save_final=False)
+    return RunConfig(**{**base, **fields})
+
+
+@pytest.fixture(scope="module")
+def interleaved(tmp_path_factory):
+    return labkit.launch(small("Interleaved1F1B", 2), echo=False, progress=False,
+                         runs_root=tmp_path_factory.mktemp("traced"))
+
+
+def test_each_rank_writes_a_chrome_trace_of_the_profiled_step(interleaved):
+    for rank in range(2):
+        data = json.loads(interleaved.dir.trace(rank).read_text())
+        assert data["distributedInfo"]["rank"] == rank
+        trace = pp.read_stage_trace(interleaved.dir.trace(rank))
+        # 4 microbatches through 2 stages per rank: 8 forwards and 8 backwards, each labelled "PP:<stage><kind><mb>"
+        assert sorted(trace.actions.kind.value_counts().items()) == [("B", 8), ("F", 8)]
+        assert set(trace.actions.stage) == ({0, 2} if rank == 0 else {1, 3})
+        assert set(trace.messages.kind) <= {"SEND_F", "RECV_F", "SEND_B", "RECV_B"} and len(trace.messages) > 0
+        assert len(trace.receives) > 0 and (trace.receives.bytes > 0).all()
+        table = trace.table()
+        assert table.start_ms.iloc[0] == 0 and table.start_ms.is_monotonic_increasing and (table.ms > 0).all()
+
+
+def test_the_trace_holds_labkits_actions_in_the_same_order_inside_torchs_spans(interleaved):
+    actions = pp.step_actions(interleaved, STEPS - 1)
+    for rank in range(2):
+        holds, measured = pp.match_stage_trace(pp.read_stage_trace(interleaved.dir.trace(rank)), actions[rank])
+        assert holds, measured
+        assert "16 actions on both, the same in the same order" in measured
+
+
+def test_the_match_fails_on_a_dropped_a_swapped_or_a_moved_action(interleaved):
+    trace = pp.read_stage_trace(interleaved.dir.trace(0))
+    actions = sorted(pp.step_actions(interleaved, STEPS - 1)[0], key=lambda a: a[3])
+    dropped = actions[:5] + actions[6:]
+    assert pp.match_stage_trace(trace, dropped) == (False, "the trace holds 16 compute actions, labkit timed 15")
+    swapped = copy.deepcopy(actions)
+    swapped[3][:3], swapped[4][:3] = actions[4][:3], actions[3][:3]   # their names swapped, their times kept
+    holds, measured = pp.match_stage_trace(trace, swapped)
+    assert not holds and "differ in order" in measured
+    moved = copy.deepcopy(actions)
+    moved[7][4] = actions[8][4]      # the 8th action ends when the 9th did: past torch's span, the order kept
+    holds, measured = pp.match_stage_trace(trace, moved)
+    assert not holds and "no one clock offset" in measured
+
+
+def test_the_timeline_draws_every_rank_from_its_trace(interleaved):
+    fig = pp.trace_timeline(interleaved)
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert labels == [f"rank {r} · {what}" for r in (0, 1) for what in ("torch.profiler", "gloo:recv",
+                                                                          "labkit's records")]
+
+
+def test_gpipe_labels_its_microbatches_and_1f1b_labels_nothing(tmp_path):
+    gpipe = labkit.launch(small("GPipe"), echo=False, progress=False, runs_root=tmp_path)
+    for rank in range(2):
+        trace = pp.read_stage_trace(gpipe.dir.trace(rank))
+        assert list(trace.actions.label) == [f"Forward {i}" for i in range(4)] + [f"Backward {i}" for i in range(4)]
+        holds, measured = pp.match_stage_trace(trace, pp.step_actions(gpipe, STEPS - 1)[rank])
+        assert holds, measured
+    one = labkit.launch(small("1F1B"), echo=False, progress=False, runs_root=tmp_path)
+    trace = pp.read_stage_trace(one.dir.trace(0))
+    assert trace.actions.empty and len(trace.receives) > 0     # operators and gloo's messages, no action labels
+    assert pp.match_stage_trace(trace, pp.step_actions(one, STEPS - 1)[0])[0] is False
+    with pytest.raises(ValueError, match="Schedule1F1B records none"):
+        pp.trace_timeline(one)
+
+
+def test_profile_step_is_validated_and_only_that_run_writes_traces(tmp_path):
+    with pytest.raises(ConfigError, match=r"profile_step = 4: the run has steps 0 to 3"):
+        RunConfig(steps=4, profile_step=4).validate()
+    with pytest.raises(ConfigError, match=r"RunConfig.profile_step = -1"):
+        RunConfig(profile_step=-1).validate()
+    plain = labkit.launch(RunConfig(world_size=2, steps=2, tensorboard=False, save_final=False), echo=False,
+                          progress=False, runs_root=tmp_path)
+    assert not plain.dir.trace(0).exists()
+    traced = labkit.launch(RunConfig(world_size=2, steps=2, profile_step=1, tensorboard=False, save_final=False),
+                           echo=False, progress=False, runs_root=tmp_path)
+    names = {e.get("name") for e in json.loads(traced.dir.trace(1).read_text())["traceEvents"]}
+    assert "Optimizer.step#AdamW.step" in names and any(str(n).startswith("gloo:all_reduce") for n in names)
