@@ -98,3 +98,28 @@ def test_profile_step_is_validated_and_only_that_run_writes_traces(tmp_path):
                            echo=False, progress=False, runs_root=tmp_path)
     names = {e.get("name") for e in json.loads(traced.dir.trace(1).read_text())["traceEvents"]}
     assert "Optimizer.step#AdamW.step" in names and any(str(n).startswith("gloo:all_reduce") for n in names)
+
+
+def test_the_reader_splits_dualpipev_pairs_and_reads_gloos_bytes(tmp_path):
+    """A hand-written trace in torch 2.13's format: a paired action is two actions sharing the pair's span, in the
+    order torch runs them; message actions and operators are kept apart from compute."""
+    events = [{"ph": "X", "name": "PP:0F0", "ts": 1000.0, "dur": 50.0},
+              {"ph": "X", "name": "PP:0SEND_F0", "ts": 1060.0, "dur": 5.0},
+              {"ph": "X", "name": "gloo:recv", "ts": 1070.0, "dur": 20.0,
+               "args": {"Input Dims": [[2, 32, 64]], "Input type": ["float"]}},
+              {"ph": "X", "name": "PP:(3F1;0B0)OVERLAP_F_B", "ts": 1100.0, "dur": 80.0},
+              {"ph": "X", "name": "aten::mm", "ts": 1110.0, "dur": 3.0},
+              {"ph": "X", "name": "PP:0UNSHARD", "ts": 990.0, "dur": 1.0}]
+    path = tmp_path / "trace0.json"
+    path.write_text(json.dumps({"traceEvents": events, "distributedInfo": {"rank": 0}}))
+    trace = pp.read_stage_trace(path)
+    assert trace.rank == 0
+    assert [tuple(r) for r in trace.actions[["kind", "stage", "microbatch"]].itertuples(index=False)] == [
+        ("F", 0, 0), ("F", 3, 1), ("B", 0, 0)]
+    assert trace.actions.start_s.tolist()[1:] == [1100e-6, 1100e-6]
+    assert trace.messages.label.tolist() == ["PP:0SEND_F0"] and trace.receives.bytes.tolist() == [2 * 32 * 64 * 4]
+    ours = [["F", 0, 0, 5.0, 5.00004, 0], ["F", 3, 1, 5.0001, 5.00013, 0], ["B", 0, 0, 5.00014, 5.000175, 0]]
+    holds, measured = pp.match_stage_trace(trace, ours)
+    assert holds and "3 actions on both" in measured and "of torch's spans" in measured
+    late = [ours[0], ours[1], ["B", 0, 0, 5.00014, 5.0006, 0]]   # ends 0.4 ms after the pair's span closed
+    assert pp.match_stage_trace(trace, late)[0] is False
