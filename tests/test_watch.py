@@ -160,6 +160,32 @@ def test_without_torchrun_on_path_or_beside_python_the_error_says_where_torchrun
         watching.resolve(["torchrun", "--nproc-per-node", "2", "train.py"])
 
 
+def test_the_agents_thread_has_finished_its_read_when_the_script_exits(tmp_path):
+    """Seen once under load: rank 1 of a finished job aborted after its last record ("terminate called without an
+    active exception", then SIGSEGV). The agent's daemon thread may be inside torch's C++ reading the Flight Recorder
+    when the interpreter finalizes; it must be joined at exit (Agent.close, run by atexit). Here a read lasts 0.5 s
+    and close() comes in the middle of it: the thread must be gone once close() returns."""
+    script = """
+import threading, time
+from labkit.training import agent, flight
+inside = threading.Event()
+def slow_entries(stacks=False):
+    inside.set()
+    time.sleep(0.5)
+    return []
+flight.entries = slow_entries
+agent.POLL_S = 0.01
+a = agent.start(0, RUN_DIR)
+assert inside.wait(10), "the agent's thread never read the recorder"
+a.close()
+print("thread alive after close:", a._thread.is_alive())
+""".replace("RUN_DIR", repr(str(tmp_path)))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**os.environ, "LABKIT_WATCH_AGENT": ""})
+    assert out.returncode == 0, out.stderr
+    assert "thread alive after close: False" in out.stdout
+
+
 def test_a_users_own_sitecustomize_still_runs_and_a_child_of_a_rank_starts_no_second_agent(tmp_path):
     from labkit.run.watch import environment
     mine = tmp_path / "mine"

@@ -55,6 +55,7 @@ from . import flight
 
 DIR_ENV = "LABKIT_WATCH_DIR"         # the run directory; set by `labkit watch`
 OWNER_ENV = "LABKIT_WATCH_AGENT"     # the pid holding this rank's agent: a DataLoader worker or a child inherits it
+JOIN_S = 5.0                         # at exit, how long to wait for the agent's thread to finish a read
 POLL_S = 0.2                         # how often the agent's thread reads the Flight Recorder and the watcher's request
 BEAT = struct.Struct("<5d")          # last progress (unix time), step, state, newest collective seq, world size
 RUNNING, DONE = 1.0, 3.0             # the states a beat file holds
@@ -259,8 +260,15 @@ class Agent:
             flight.dump(self.run_dir.flight_record(self.rank))
 
     def close(self) -> None:
-        """The script ended (atexit): the watcher stops expecting progress from this rank."""
+        """The script ended (atexit): the agent's thread is stopped and joined, and the watcher stops expecting
+        progress from this rank."""
         self._stop.set()
+        # Join before the interpreter finalizes: a daemon thread still inside torch's C++ (reading the Flight
+        # Recorder) when finalization starts is ended by pthread_exit as it retakes the GIL, and that unwinding
+        # through C++ aborts the process ("terminate called without an active exception"; seen once: rank 1 of a
+        # finished job, after its last record, exit code -11)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=JOIN_S)
         self.beat(DONE)
         self.recorder.close()
 
