@@ -13,6 +13,7 @@ Each rank prints one line per step: "rank R step S loss L" (L with every digit, 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import tempfile
 import time
@@ -72,6 +73,7 @@ def main() -> None:
     rank = dist.get_rank()
     train(rank, args.steps, args.bug, args.lr,
           log=lambda step, loss: print(f"rank {rank} step {step} loss {loss.item()!r}", flush=True))
+    gc.collect()   # free DDP (its hooks form cycles) while the interpreter is whole, then the process group
     dist.destroy_process_group()
 
 
