@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 
@@ -123,3 +124,11 @@ def test_the_reader_splits_dualpipev_pairs_and_reads_gloos_bytes(tmp_path):
     assert holds and "3 actions on both" in measured and "of torch's spans" in measured
     late = [ours[0], ours[1], ["B", 0, 0, 5.00014, 5.0006, 0]]   # ends 0.4 ms after the pair's span closed
     assert pp.match_stage_trace(trace, late)[0] is False
+
+
+def test_an_events_bytes_come_from_its_shapes_and_dtype():
+    from labkit.tricks.trace_events import event_bytes, event_elements
+    assert event_bytes({"args": {"Input Dims": [[2, 32, 64]], "Input type": ["float"]}}) == 2 * 32 * 64 * 4
+    assert event_elements({"args": {"Input Dims": [[[8, 64], [64]]]}}) == 8 * 64 + 64      # a tensor list
+    assert event_bytes({"args": {"Input Dims": [[8]], "Input type": ["c10::BFloat16"]}}) == 16
+    assert math.isnan(event_bytes({"args": {"Input Dims": [[8]]}}))                        # no dtype named

@@ -161,10 +161,9 @@ def test_without_torchrun_on_path_or_beside_python_the_error_says_where_torchrun
 
 
 def test_the_agents_thread_has_finished_its_read_when_the_script_exits(tmp_path):
-    """Seen once under load: rank 1 of a finished job aborted after its last record ("terminate called without an
-    active exception", then SIGSEGV). The agent's daemon thread may be inside torch's C++ reading the Flight Recorder
-    when the interpreter finalizes; it must be joined at exit (Agent.close, run by atexit). Here a read lasts 0.5 s
-    and close() comes in the middle of it: the thread must be gone once close() returns."""
+    """The agent's daemon thread may be inside torch's C++ reading the Flight Recorder when the script ends; it is
+    joined at exit (Agent.close, run by atexit), before the interpreter finalizes. Here a read lasts 0.5 s and
+    close() comes in the middle of it: the thread must be gone once close() returns."""
     script = """
 import threading, time
 from labkit.training import agent, flight

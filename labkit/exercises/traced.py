@@ -37,6 +37,7 @@ from ..run import launch
 from ..rundir import RunDir
 from ..training.tasks import make_task
 from ..view import COLORS, new_figure, shown
+from ..tricks.trace_events import event_bytes, event_dtype, event_elements
 from .probe import CommProbe
 from .speeds import _communication, tinylm_config
 
@@ -45,9 +46,6 @@ SPANS = {"forward": "labkit: forward", "backward": "labkit: backward",
          "finish": "labkit: finish_gradient_synchronization", "optimizer": "labkit: optimizer.step"}
 LAUNCH = "c10d::allreduce_"      # a dist.all_reduce call, on the calling thread
 RUN = "gloo:all_reduce"          # gloo running one all-reduce, on a worker thread
-# Bytes per element of the dtypes a gloo event names ("Input type").
-DTYPE_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "int": 4, "long int": 8,
-               "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1}
 
 
 # --- the ranks ---------------------------------------------------------------------------------------------------
@@ -157,27 +155,19 @@ def read_trace(path: str | Path) -> Trace:
     free = list(runs)
     rows = []
     for order, event in enumerate(launches or runs):
-        elements = _elements(event)
-        run = event if not launches else next((r for r in free if _elements(r) == elements), None)
+        elements = event_elements(event)
+        run = event if not launches else next((r for r in free if event_elements(r) == elements), None)
         if launches and run is not None:
             free.remove(run)
-        dtype = ((run or {}).get("args", {}).get("Input type") or [None])[0]
+        dtype = event_dtype(run) if run else None
         rows.append({"order": order, "launch_ms": ms(event["ts"]) if launches else math.nan,
                      "run_start_ms": ms(run["ts"]) if run else math.nan,
                      "run_end_ms": ms(run["ts"] + run["dur"]) if run else math.nan,
                      "thread": run["tid"] if run else None, "elements": elements, "dtype": dtype,
-                     "bytes": elements * DTYPE_BYTES[dtype] if dtype in DTYPE_BYTES else math.nan})
+                     "bytes": event_bytes(run) if run else math.nan})
     columns = ["order", "launch_ms", "run_start_ms", "run_end_ms", "thread", "elements", "dtype", "bytes"]
     return Trace(path, pd.DataFrame(rows, columns=columns), pd.DataFrame(span_rows, columns=["name", "start_ms",
                                                                                               "end_ms"]))
-
-
-def _elements(event: dict[str, Any]) -> int:
-    """Elements of the tensor(s) an event's first argument holds: "Input Dims" [[8, 64]] or, for a tensor list,
-    [[[8, 64], [64]]]."""
-    dims = (event.get("args", {}).get("Input Dims") or [[]])[0]
-    shapes = dims if dims and isinstance(dims[0], list) else [dims]
-    return sum(math.prod(shape) for shape in shapes)
 
 
 # --- the check ----------------------------------------------------------------------------------------------------

@@ -263,10 +263,8 @@ class Agent:
         """The script ended (atexit): the agent's thread is stopped and joined, and the watcher stops expecting
         progress from this rank."""
         self._stop.set()
-        # Join before the interpreter finalizes: a daemon thread still inside torch's C++ (reading the Flight
-        # Recorder) when finalization starts is ended by pthread_exit as it retakes the GIL, and that unwinding
-        # through C++ aborts the process ("terminate called without an active exception"; seen once: rank 1 of a
-        # finished job, after its last record, exit code -11)
+        # Join before the interpreter finalizes: a daemon thread left inside torch's C++ (reading the Flight
+        # Recorder) while finalization tears down the interpreter and torch's statics is a crash waiting to happen
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=JOIN_S)
         self.beat(DONE)

@@ -17,14 +17,13 @@ What the trace holds, as torch 2.13 writes it (RunConfig.profile_step runs one s
   it names no stage, so those rows have stage -1;
 - Schedule1F1B labels nothing: its trace holds operators only, and read_stage_trace finds no actions in it;
 - gloo's own "gloo:send" / "gloo:recv" events, from when the operation was posted until it completed, with the
-  tensor's shape and dtype (hence its bytes).
+  tensor's shape and dtype (hence its bytes: trace_events.py); the reader keeps the receives.
 Times are seconds on the trace's clock ("ts" and "dur" are microseconds), which every process of a machine shares;
 it is not time.perf_counter's, so labkit's actions are placed on it by one offset per rank (match_stage_trace).
 """
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from matplotlib.figure import Figure
 
 from ..records import Run
 from ..view import COLORS, new_figure, shown
+from .trace_events import event_bytes
 
 COMPUTE = ("F", "B", "I", "W")
 MESSAGES = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -42,7 +42,6 @@ LABEL = re.compile(r"^PP:(\d+)([A-Z_]+?)(\d*)$")           # PP:2F0, PP:0SEND_F1
 PAIRED = re.compile(r"^PP:\((.+)\)OVERLAP_F_B$")           # PP:(2F2;1B0)OVERLAP_F_B
 PART = re.compile(r"^(\d+)([FBIW])(\d+)$")
 SINGLE = re.compile(r"^(Forward|Backward) (\d+)$")         # GPipe's labels
-DTYPE_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4}
 COLUMNS = ["label", "kind", "stage", "microbatch", "start_s", "end_s"]
 KIND_COLORS = {"F": COLORS[0], "B": COLORS[1], "I": COLORS[3], "W": COLORS[2]}   # pipeline.timeline's too
 
@@ -58,15 +57,14 @@ class PipelineTrace:
     """One rank's trace of a pipeline step (read_stage_trace): times in seconds on the trace's clock.
     actions: torch's compute actions in the order they ran (label, kind F/B/I/W, stage, microbatch, start_s, end_s;
     table() gives them in ms from the first);
-    messages: torch's SEND_/RECV_ actions (same columns); receives and sends: gloo's own events (start_s, end_s,
-    bytes)."""
+    messages: torch's SEND_/RECV_ actions (same columns); receives: gloo's own receive events (start_s, end_s,
+    bytes), from posted to completed."""
 
     path: Path
     rank: int
     actions: pd.DataFrame
     messages: pd.DataFrame
     receives: pd.DataFrame
-    sends: pd.DataFrame
 
     def table(self) -> pd.DataFrame:
         """The compute actions for a person: torch's label, kind, stage, microbatch, start_ms (from this trace's
@@ -98,17 +96,12 @@ def read_stage_trace(path: str | Path) -> PipelineTrace:
             actions.append([name, single.group(1)[0], -1, int(single.group(2)), start, end])
     rank = int(data.get("distributedInfo", {}).get("rank", -1))
     return PipelineTrace(path, rank, pd.DataFrame(actions, columns=COLUMNS), pd.DataFrame(messages, columns=COLUMNS),
-                         _gloo(events, "gloo:recv"), _gloo(events, "gloo:send"))
+                         _gloo(events, "gloo:recv"))
 
 
 def _gloo(events: list[dict[str, Any]], name: str) -> pd.DataFrame:
-    rows = []
-    for event in (e for e in events if e.get("name") == name):
-        args = event.get("args", {})
-        dims = (args.get("Input Dims") or [[]])[0]
-        dtype = (args.get("Input type") or [None])[0]
-        size = math.prod(dims) * DTYPE_BYTES[dtype] if dims and dtype in DTYPE_BYTES else math.nan
-        rows.append({"start_s": event["ts"] / 1e6, "end_s": (event["ts"] + event["dur"]) / 1e6, "bytes": size})
+    rows = [{"start_s": e["ts"] / 1e6, "end_s": (e["ts"] + e["dur"]) / 1e6, "bytes": event_bytes(e)}
+            for e in events if e.get("name") == name]
     return pd.DataFrame(rows, columns=["start_s", "end_s", "bytes"])
 
 
@@ -134,7 +127,7 @@ def match_stage_trace(trace: PipelineTrace, actions: list[list], *, slack_s: flo
         i = wrong[0]
         return False, (f"{len(wrong)} of {len(named)} actions differ in order; the first, #{i}: "
                        f"{_name(named[i])} in the trace, {_name(mine[i])} in labkit's records")
-    lowest = max(s - a[3] for s, a in zip(theirs.start_s, ours))
+    lowest = offset_s(trace, ours)
     # GPipe computes the last stage's loss after its "Forward i" span, and labkit's F counts the loss: there only
     # the start is held inside (the end may run past by the loss's time)
     highest = min(e - (a[3] if s < 0 and a[0] == "F" else a[4]) for e, s, a in zip(theirs.end_s, theirs.stage, ours))
@@ -155,8 +148,8 @@ def _name(action: tuple) -> str:
 
 
 def offset_s(trace: PipelineTrace, actions: list[list]) -> float:
-    """The clock offset that places labkit's `actions` on the trace's clock: the earliest consistent with every
-    span (match_stage_trace), so that labkit's first action starts where torch's does at the latest."""
+    """The clock offset that places labkit's `actions` on the trace's clock: the smallest at which none of them
+    starts before torch's span of it (match_stage_trace then checks that none ends after it either)."""
     ours = sorted(actions, key=lambda a: a[3])
     return max(s - a[3] for s, a in zip(trace.actions.start_s, ours))
 
@@ -179,9 +172,9 @@ def trace_timeline(run: Run, *, step: int | None = None, title: str = "") -> Fig
     fig = new_figure(figsize=(11, 1.2 + 1.5 * len(traces)))
     ax = fig.add_subplot(1, 1, 1)
     ticks = []
+    width = max(t.actions.end_s.max() for t in traces.values()) - start
     for i, (rank, trace) in enumerate(traces.items()):
         y = 3.6 * i
-        width = max(t.actions.end_s.max() for t in traces.values()) - start
         for row in trace.actions.itertuples():
             ax.broken_barh([((row.start_s - start) * 1e3, (row.end_s - row.start_s) * 1e3)], (y - 0.4, 0.8),
                            color=KIND_COLORS[row.kind], alpha=0.55, edgecolor="white")
