@@ -182,14 +182,33 @@ def test_the_gated_checks_assert_on_the_split_table_and_say_what_they_measured(m
     table = pd.DataFrame({"cores busy": [1.0, 1.9], "t_data_ms": [30.0, 12.0], "t_step_ms": [34.0, 18.0]})
     monkeypatch.setattr(loading, "split_table", lambda timed: table)
     assert loading.busy_below(2.0)(None) == "1.90 cores busy"
-    assert loading.busy_above(0.9)(None) == "1.00 cores busy"
+    two_cores = type("Timed", (), {"settings": {"cores": 2}})()
+    assert loading.busy_above(0.9)(two_cores) == "1.00 cores busy"
     assert loading.ratio_below("t_data_ms", 0.75)(None) == "t_data_ms 0.40x"
     assert loading.ratio_above("t_step_ms", 0.5)(None) == "t_step_ms 0.53x"
     assert loading.busy_gain_below(1.0)(None) == "+0.90 cores busy (1.00 -> 1.90)"
     for check in (loading.busy_below(1.5), loading.busy_gain_below(0.5), loading.busy_above(1.5), loading.ratio_below("t_step_ms", 0.5),
                   loading.ratio_above("t_data_ms", 0.5)):
         with pytest.raises(AssertionError):
-            check(None)
+            check(two_cores)
+
+
+def test_saves_under_compares_what_two_knobs_save_on_each_settings_median_over_rounds():
+    from labkit.measure import Timing, Timings
+    steps = {"0 workers": [0.040] * 3, "1 worker": [0.036, 0.034, 0.090], "2 workers": [0.020, 0.022, 0.021], "3 workers": [0.019, 0.018, 0.020],
+             "prefetch 4": [0.0195, 0.0205, 0.020]}      # a disturbed round (0.090) moves no median
+    timed = Timings({k: Timing(k, None, min(v), 1.0, 0.0, tuple((0.0, x) for x in v)) for k, v in steps.items()},
+                    {k: None for k in steps}, {"rounds": 3, "cores": 2, "warmup": 4})
+    assert loading.median_step_ms(timed["1 worker"]) == pytest.approx(36.0)
+    assert loading.saved_share(timed, ("2 workers", "3 workers"), ("1 worker", "2 workers")) == pytest.approx(2 / 15)
+    said = loading.saves_under(0.5, [("2 workers", "3 workers"), ("2 workers", "prefetch 4")],
+                               ("1 worker", "2 workers"))(timed)
+    assert said == "2 workers -> 3 workers saved 0.13, 2 workers -> prefetch 4 saved 0.07 of the 15.0 ms 1 worker -> 2 workers saved"
+    with pytest.raises(AssertionError, match="saved 0.13 of what"):
+        loading.saves_under(0.1, [("2 workers", "3 workers")], ("1 worker", "2 workers"))(timed)
+    with pytest.raises(AssertionError, match="saved no step time"):       # a reference that saved nothing
+        loading.saves_under(0.5, [("1 worker", "2 workers")], ("2 workers", "1 worker"))(timed)
+    assert loading.extra_worker_unchecked(timed, 2).startswith("this run: worker 3 saved 0.13 of what worker 2 saved")
 
 
 def test_the_restart_checks_read_the_epoch_starts(monkeypatch):

@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from .bounds import Bound, collecting
+
 # Other programs may keep up to this many of the pinned cores busy. Lesson 05's claims leave margins of 10-25%; on 2
 # cores, others at 0.25 core (12% of them) during one run of a pair was measured to flip such a claim.
 LIMIT_CORES = 0.2
@@ -92,6 +94,7 @@ class Outcome:
     time: float = dataclasses.field(default_factory=time.time)
     measured: str = ""            # what the check showed beside the claim (its return value, for a gated one)
     kind: str = "gated"           # "gated" (gated, not_checked, checked_unless) or "check" (Claims.check)
+    bounds: list = dataclasses.field(default_factory=list)   # each Bound the check made, as a dict (measure.bounds)
 
     @property
     def checked(self) -> bool:
@@ -168,24 +171,42 @@ def checked_unless(reason: str | None, claim: str, check: Callable[[Any], None],
     checked_unless(None if spy.ok else spy.problem, "12: py-spy reads every rank", check, spy)."""
     if reason:
         return not_checked(claim, reason)
-    try:
-        said = check(measured)
-    except AssertionError as failure:
-        shout(record(Outcome(claim, "failed", 1, [], 0.0, f"{type(failure).__name__}: {failure}"[:500])))
-        raise
-    return shout(record(Outcome(claim, "checked", 1, [], 0.0, measured=shown(said))))
+    with collecting() as bounds:
+        try:
+            said = check(measured)
+        except AssertionError as failure:
+            shout(record(Outcome(claim, "failed", 1, [], 0.0, failed_because(failure, bounds),
+                                 bounds=kept(bounds))))
+            raise
+    return shout(record(Outcome(claim, "checked", 1, [], 0.0, measured=shown(said), bounds=kept(bounds))))
+
+
+def kept(bounds: list[Bound]) -> list[dict]:
+    """The bounds a check made, as the claims log holds them."""
+    return [bound.as_dict() for bound in bounds]
+
+
+def failed_because(failure: AssertionError, bounds: list[Bound]) -> str:
+    """Why a check failed, in one line: its assertion's text, and each bound that did not hold (value, limit,
+    margin), so that a failed claim says how far it missed even when its assert has no message."""
+    said = str(failure).strip()
+    missed = "; ".join(str(b) for b in bounds if not b.holds)
+    text = f"{type(failure).__name__}: {said}" if said else type(failure).__name__
+    return (f"{text} ({missed})" if said else f"{text}: {missed}") if missed else text
 
 
 def _check(claim: str, check: Callable[[Any], None], measurement: Any, seen: list[float], limit: float) -> Outcome:
-    try:
-        said = check(measurement)
-    except AssertionError as failure:
-        shout(record(Outcome(claim, "failed", len(seen), seen, limit, f"{type(failure).__name__}: {failure}"[:500])))
-        raise
+    with collecting() as bounds:
+        try:
+            said = check(measurement)
+        except AssertionError as failure:
+            shout(record(Outcome(claim, "failed", len(seen), seen, limit, failed_because(failure, bounds)[:500],
+                                 bounds=kept(bounds))))
+            raise
     retried = f", after {len(seen) - 1} busy measurement{'s' * (len(seen) > 2)}" if len(seen) > 1 else ""
     quiet = f"others kept {seen[-1]:.2f} cores busy{retried}"
     measured = f"{shown(said)} ({quiet})" if said is not None else quiet
-    return shout(record(Outcome(claim, "checked", len(seen), seen, limit, measured=measured)))
+    return shout(record(Outcome(claim, "checked", len(seen), seen, limit, measured=measured, bounds=kept(bounds))))
 
 
 MARK = {"checked": "✓", "failed": "✗", "skipped": "○"}
@@ -258,6 +279,14 @@ def lesson_counts(outcomes: list[Outcome]) -> dict[str, dict[str, int]]:
         counts = per.setdefault(found.group(1) if found else "other", {"checked": 0, "failed": 0, "skipped": 0})
         counts[o.status] += 1
     return dict(sorted(per.items()))
+
+
+def floor_lines(outcomes: list[Outcome], floors: dict[str, int]) -> list[str]:
+    """For each lesson that logged claims in `outcomes`, fewer than its floor (tests/claims_floor.json): one line
+    each:  floor_lines(read_log(path), {"07": 13}) -> ['lesson 07: 12 claims logged, fewer than its floor of 13...']."""
+    counts = {lesson: sum(by.values()) for lesson, by in lesson_counts(outcomes).items()}
+    return [f"lesson {lesson}: {n} claims logged, fewer than its floor of {floors[lesson]} (tests/claims_floor.json)"
+            for lesson, n in sorted(counts.items()) if lesson in floors and n < floors[lesson]]
 
 
 def lesson_lines(outcomes: list[Outcome]) -> list[str]:

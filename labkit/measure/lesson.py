@@ -23,6 +23,7 @@ from typing import Any, Callable
 import pandas as pd
 
 from . import claims as _claims
+from .bounds import Bound
 from .claims import MARK, Outcome, line, shown
 
 LESSON = re.compile(r"^\d\d[a-z]?$")
@@ -33,8 +34,20 @@ class ClaimFailed(AssertionError):
     """A lesson's claim that the measurement did not bear out; its message holds the measured values."""
 
 
+def _bounds(ok: Any) -> list[Bound]:
+    """The Bounds a claim's condition is made of: one (below(gap, 1e-5)), a list or tuple of them, or none."""
+    if isinstance(ok, Bound):
+        return [ok]
+    if isinstance(ok, (list, tuple)) and ok and all(isinstance(b, Bound) for b in ok):
+        return list(ok)
+    return []
+
+
 def _truth(claim: str, ok: Any) -> bool:
-    """`ok` as a bool; a table or a tensor of several values must be reduced first (.all(), .any())."""
+    """`ok` as a bool (a list of Bounds: all of them hold); a table or a tensor of several values must be reduced
+    first (.all(), .any())."""
+    if _bounds(ok):
+        return all(b.holds for b in _bounds(ok))
     try:
         return bool(ok)
     except (ValueError, RuntimeError) as error:
@@ -72,16 +85,21 @@ class Claims:
 
             claims.check("the ranks end bitwise equal", equal, measured=f"{n} tensors compared")
 
-        ok: the claim's condition, computed from what the ranks did (a bool, or a one-element tensor or array).
+        ok: the claim's condition, computed from what the ranks did (a bool, or a one-element tensor or array), or
+        a measure.below/above Bound (or a list of them) when the claim holds a varying number against a limit: then
+        the log keeps its margin, and a failure says the value and the limit.
         measured: what to show beside it (a number, text, a dict or a list); it goes into the table too."""
         name, text = self.named(claim), shown(measured)
-        holds = _truth(claim, ok)
-        outcome = _claims.record(Outcome(name, "checked" if holds else "failed", 1, [], 0.0,
-                                         "" if holds else f"measured: {text}", measured=text, kind="check"))
+        holds, bounds = _truth(claim, ok), _bounds(ok)
+        missed = "; ".join(str(b) for b in bounds if not b.holds)
+        reason = "" if holds else f"measured: {text}" + (f" ({missed})" if missed else "")
+        outcome = _claims.record(Outcome(name, "checked" if holds else "failed", 1, [], 0.0, reason, measured=text,
+                                         kind="check", bounds=_claims.kept(bounds)))
         self.outcomes[name] = outcome
         print(line(outcome))
         if not holds:
-            raise ClaimFailed(f"{name} -- does not hold; measured here: {text or '(nothing given)'}")
+            raise ClaimFailed(f"{name} -- does not hold; measured here: {text or '(nothing given)'}"
+                              + (f" ({missed})" if missed else ""))
         return outcome
 
     def gated(self, claim: str, check: Callable[[Any], Any], measured: Any = None, **options: Any) -> Outcome:

@@ -6,6 +6,7 @@ least disturbed repeat.
     timed["2 workers"].others     # cores other programs kept busy, on the pinned cores, during its steady steps
     timed.table()                 # one row per variant: ms per step, our cores, others' cores, repeats
     timed.only(["0 workers"]).again()   # measure a subset afresh, the same way (what a claims gate retries)
+    timed.paired("2 workers", "0 workers")   # per round, one's step time over the other's, measured side by side
 
 Why each part:
 - Rounds, alternating order (A B C, then C B A, ...): load from the rest of the machine drifts, and visiting every
@@ -86,6 +87,16 @@ class Timings(dict):
     def again(self) -> "Timings":
         """Measure these variants afresh, with the same rounds, cores and warm-up."""
         return interleaved(self.variants, **self.settings)
+
+    def paired(self, a: str, b: str) -> list[float]:
+        """Per round, a's wall seconds per steady step over b's, from the repeats made in that round:
+        timed.paired("3 workers", "2 workers") -> [0.88, 0.93, 0.86]. The variants of one round ran one after the
+        other (interleaved), so a drift in the machine's speed touches both sides of each ratio alike; their median
+        is steadier than the ratio of the two kept repeats, which may come from different rounds."""
+        for label in (a, b):
+            if label not in self:
+                raise KeyError(f"no variant {label!r}; measured: {list(self)}")
+        return [sa / sb for (_, sa), (_, sb) in zip(self[a].repeats, self[b].repeats)]
 
     def table(self) -> pd.DataFrame:
         """One row per variant: ms per steady step, cores busy (ours, others), and the repeats it was chosen from."""

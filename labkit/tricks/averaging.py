@@ -36,6 +36,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..measure import Bound, below
 from ..records import Run, per_step
 from ..training.commhooks import count_collectives
 from ..training.loop import NonFiniteLoss
@@ -300,12 +301,14 @@ def apart_between_averagings(t: pd.DataFrame, period: int) -> tuple[float, bool]
     return (float(off.min()) if len(off) else float("nan")), bool((off > 0).all())
 
 
-def divergence_grows_in_a_period(t: pd.DataFrame, period: int) -> tuple[list[float], bool]:
+def divergence_grows_in_a_period(t: pd.DataFrame, period: int) -> tuple[list[float], bool | Bound]:
     """Mean divergence one step after an averaging, halfway through a period, and on its last step, and whether it
     grows in that order:  divergence_grows_in_a_period(timeline(run), 16)."""
     profile = t.groupby(t["step"] % period)["divergence"].mean()
     points = [float(profile[1]), float(profile[period // 2]), float(profile[period - 1])]
-    return [round(p, 4) for p in points], points[0] < points[1] < points[2]
+    grows = points[1] > 0 and points[2] > 0 and below(max(points[0] / points[1], points[1] / points[2]), 1,
+                                                      "distance, each point / the next (the larger)")
+    return [round(p, 4) for p in points], grows   # distances are >= 0: the same as p0 < p1 < p2
 
 @shown
 def plot_timelines(runs: Sequence[Run], labels: Sequence[str] | None = None, title: str | None = None, *,

@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from ..measure import above, below
 from ..view import new_figure, shown
 from .comm import _check_world, bucket_table, fit_ring_model, human_bytes, relative_errors
 
@@ -124,7 +125,7 @@ def busbw_grows(bench: Any) -> str:
               for (backend, op), g in bench.value.dropna(subset=["time_s"]).groupby(["backend", "op"])}
     growth = {name: bw[-2:].min() / bw[:2].max() for name, bw in growth.items()}
     least = min(growth, key=growth.get)
-    assert growth[least] > 4, growth
+    assert above(growth[least], 4, "least busbw growth, 2 largest / 2 smallest sizes (x)"), growth
     return f"least growth {growth[least]:.0f}x ({least})"
 
 
@@ -135,7 +136,7 @@ def small_messages_are_latency_bound(bench: Any) -> str:
     _, bandwidth = fit_ring_model(points.size_bytes, points.time_s, world)
     smallest = points.iloc[0]
     ratio = smallest.time_s / (2 * (world - 1) / world * smallest.size_bytes / bandwidth)
-    assert ratio > 10, (smallest.time_s, ratio)
+    assert above(ratio, 10, "smallest all_reduce / its bandwidth term (x)"), (smallest.time_s, ratio)
     return f"{ratio:.0f}x the bandwidth term at {human_bytes(smallest.size_bytes)}"
 
 
@@ -145,7 +146,7 @@ def ring_model_fits(bench: Any) -> str:
     world = int(points.world_size.iloc[0])
     fit = fit_ring_model(points.size_bytes, points.time_s, world)
     error = float(np.median(relative_errors(points.size_bytes, points.time_s, world, *fit)))
-    assert error < 0.5, f"ring model median error {error:.0%}"
+    assert below(error, 0.5, "ring model median relative error"), f"ring model median error {error:.0%}"
     return f"median error {error:.0%}"
 
 
@@ -158,7 +159,7 @@ def more_ranks_take_longer(both: Any) -> str:
     """together(fewer_ranks, more_ranks): the largest all_reduce takes over 1.5x as long with more ranks."""
     few, many, largest = _largest_pair(both)
     t_few, t_many = (float(p.set_index("size_bytes").time_s[largest]) for p in (few, many))
-    assert t_many > 1.5 * t_few, (t_many, t_few)
+    assert above(t_many / t_few, 1.5, "largest all_reduce time, more ranks / fewer"), (t_many, t_few)
     return f"{t_many / t_few:.1f}x at {human_bytes(largest)}"
 
 
@@ -167,7 +168,7 @@ def more_ranks_lower_bandwidth(both: Any) -> str:
     (few, many, _), fits = _largest_pair(both), []
     for points in (few, many):
         fits.append(fit_ring_model(points.size_bytes, points.time_s, int(points.world_size.iloc[0]))[1])
-    assert fits[1] < fits[0], fits
+    assert below(fits[1] / fits[0], 1, "fitted B, more ranks / fewer"), fits   # fit_ring_model: B > 0
     return f"B {fits[1] / 1e9:.2f} vs {fits[0] / 1e9:.2f} GB/s"
 
 
@@ -176,5 +177,5 @@ def per_tensor_buckets_cost(timed: Any) -> str:
     cap (DDP's default, 25 MB)."""
     table = bucket_table(timed, alpha=0.0, world=2)["ms per step"]
     ratio = table[min(table.index)] / table[max(table.index)]
-    assert ratio > 3, table
+    assert above(ratio, 3, "step time, smallest bucket cap / largest"), table
     return f"{ratio:.1f}x the default's step"

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import pandas as pd
 import torch
 
+from ..measure import Bound, above, below
 from ..records import Run
 from .commeff import WARM, bucket_table, powersgd_payload, steps, wire_shares
 
-Result = tuple[bool, str]
+Result = tuple[bool | Bound, str]   # holds: a Bound (measure.below/above) where a varying number meets its limit
 
 
 def _per_step(runs: Mapping[Any, Run], column: str) -> dict[str, list]:
@@ -67,20 +69,22 @@ def same_loss(runs: Mapping[Any, Run], reference: Any, tol: float) -> Result:
     """Every run's loss, step by step, within `tol` of the reference run's."""
     ref = steps(runs[reference])["loss"]
     gap = max(float((steps(run)["loss"] - ref).abs().max()) for run in runs.values())
-    return gap < tol, f"largest gap {gap:.1e} (tolerance {tol:g})"
+    return below(gap, tol, "largest loss gap to the reference"), f"largest gap {gap:.1e} (tolerance {tol:g})"
 
 
 def loss_fell(runs: Mapping[Any, Run], by: float) -> Result:
     """Every run's loss fell by more than `by` from its first step to its last."""
     fell = {_label(key): float(steps(run)["loss"].iloc[0] - steps(run)["loss"].iloc[-1]) for key, run in runs.items()}
-    return min(fell.values()) > by, f"smallest fall {min(fell.values()):.2f} (need > {by:g})"
+    return above(min(fell.values()), by, "smallest loss fall, first step to last"), \
+        f"smallest fall {min(fell.values()):.2f} (need > {by:g})"
 
 
 def accumulation_cuts_peak_memory(table: pd.DataFrame) -> Result:
     """x8 accumulation's peak memory growth per rank is below x1's (accumulation_table's column)."""
     memory = table["peak memory growth (MB)"]
     x1, x8 = memory.loc[(1, "no_sync")], memory.loc[(8, "no_sync")]
-    return bool(x8 < x1), f"x1 {x1:.0f} MB -> x8 {x8:.0f} MB ({x8 / x1:.2f}x)"
+    return below(x8, x1, "x8's peak memory growth (MB), against x1's"), \
+        f"x1 {x1:.0f} MB -> x8 {x8:.0f} MB ({x8 / x1:.2f}x)"
 
 
 # --- 2 · precision: what autocast leaves on the wire ---------------------------------------------------------------
@@ -140,22 +144,24 @@ def sends_less(run: Run, than: Run, warm: int = WARM) -> Result:
 def powersgd_lags_the_exact_run(table: pd.DataFrame, exact: str = "allreduce (fp32)") -> Result:
     """Final losses (payload_table): PowerSGD rank 1 above rank 4, above the exact run."""
     final = table["final loss"]
-    ok = final["PowerSGD r1"] > final["PowerSGD r4"] > final[exact]
-    return bool(ok), f"r1 {final['PowerSGD r1']:.3f}, r4 {final['PowerSGD r4']:.3f}, exact {final[exact]:.3f}"
+    ratios = [final["PowerSGD r1"] / final["PowerSGD r4"], final["PowerSGD r4"] / final[exact]]   # losses > 0
+    return above(np.min(ratios), 1, "final loss, r1 / r4 and r4 / exact (the lesser)"), \
+        f"r1 {final['PowerSGD r1']:.3f}, r4 {final['PowerSGD r4']:.3f}, exact {final[exact]:.3f}"
 
 
 def casts_end_with_the_exact_run(table: pd.DataFrame, tol: float = 0.01, exact: str = "allreduce (fp32)") -> Result:
     """Final losses (payload_table): fp16 and bf16 compression within `tol` of the exact run."""
     final = table["final loss"]
     gaps = {k: abs(final[k] - final[exact]) for k in ("fp16", "bf16")}
-    return max(gaps.values()) < tol, ", ".join(f"{k} off by {v:.4f}" for k, v in gaps.items())
+    return below(max(gaps.values()), tol, "largest final-loss gap to the exact run"), \
+        ", ".join(f"{k} off by {v:.4f}" for k, v in gaps.items())
 
 
 def fp32_wire_is_a_small_share(measured: Any) -> str:
     """Gated: the whole fp32 all-reduce, timed alone, is under a quarter of an fp32 step (measured: a Metered of
     commeff.wire_and_step)."""
     share = wire_shares(*measured.value)[1].loc["fp32", "share of an fp32 step"]
-    assert share < 0.25, share
+    assert below(share, 0.25, "fp32 all-reduce / fp32 step time"), share
     return f"{share:.1%} of a step"
 
 
@@ -173,6 +179,8 @@ def small_buckets_start_early(measured: Any) -> str:
     than with one bucket (measured: a Metered of bucket_timing runs keyed by model)."""
     for size, b in bucket_table(measured.value).groupby(level="model"):
         first = b["first_launch"]
-        assert first.iloc[0] < 0.5 and first.iloc[0] < first.iloc[-1], (size, first)
+        assert all([below(first.iloc[0], 0.5, f"{size}: first launch, fraction of backward (smallest buckets)"),
+                    below(first.iloc[0] / first.iloc[-1], 1,   # the one bucket's launch: late in backward, > 0
+                          f"{size}: first launch, smallest buckets / one bucket")]), (size, first)
     return ", ".join(f"{size}: at {b['first_launch'].iloc[0]:.0%} vs {b['first_launch'].iloc[-1]:.0%}"
                      for size, b in bucket_table(measured.value).groupby(level="model"))

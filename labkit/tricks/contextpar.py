@@ -5,7 +5,8 @@
     got = cpx.every_method(world=2)               # the tiny GPT-2, every method x split, against one process
     cpx.worst(got, "logits"), cpx.bytes_match(got), cpx.pairs_match(got)
     timed = cpx.split_timing(1024)                # a metered launch: ring attention, contiguous vs zigzag
-    claims.gated("zigzag's step is faster", cpx.zigzag_is_faster(), timed)
+    claims.gated("zigzag's step is faster", cpx.zigzag_is_faster(), timed)   # on a machine quiet and steady enough
+    claims.not_checked("zigzag's step is faster", cpx.split_timing_unchecked(timed))   # lesson 23, on 2 vCPUs
 
 Each launch runs every rank against one process's whole-sequence model on the same rank, so every rank is compared,
 not only rank 0. The lesson imports only this module for the inside of labkit (labkit.training stays hidden); the
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import RunConfig
-from ..measure import metered
+from ..measure import above, metered
 from ..run.launch import launch
 from ..training.parallel import context as cp
 from ..training.parallel import context_model as cpm
@@ -33,7 +34,8 @@ from ..training.parallel import context_model as cpm
 __all__ = ["positions", "causal_pairs", "reference", "Traffic", "tiny_gpt2", "draw_splits", "every_method", "worst",
            "expected_bytes", "traffic_table", "bytes_match", "pairs_table", "pairs_counted", "pairs_match",
            "activation_runs", "tokens_per_rank", "act_bytes_per_rank", "loss_gap", "cp_pairs_table", "tiny_layout",
-           "CODES", "split_timing", "zigzag_is_faster", "zigzag_is_slower_whole"]
+           "CODES", "split_timing", "split_timing_unchecked", "zigzag_is_faster",
+           "zigzag_is_slower_whole"]
 
 positions, causal_pairs, reference, Traffic = cp.positions, cp.causal_pairs, cp.reference, cp.Traffic
 BATCH, SEQ, WIDTH, HEADS, LAYERS, VOCAB = 2, 32, 32, 4, 2, 64   # the tiny GPT-2 of every_method
@@ -291,12 +293,25 @@ def split_timing(seq_len: int = 1024, *, heads: int = 2, head_dim: int = 64, rep
     return metered(measure, cores=cores)
 
 
+def split_timing_unchecked(timed: Any) -> str:
+    """Why lesson 23 shows split_timing's step times and does not claim them on a machine of a few cores: the
+    reason not_checked records, with this launch's ratios. Over sixteen launches on a 2-vCPU machine (1024 tokens,
+    7 to 21 timed steps per case, the cases alternating) chunked zigzag came out 0.75 to 1.33x as fast as chunked
+    contiguous, and whole-block zigzag 1.06 to 1.57x as slow: the effect (1.46x for the attention alone) is real,
+    but one launch's ratio can land on either side of 1."""
+    s = timed.value["seconds"]
+    return (f"this launch: chunked zigzag {s['chunked/contiguous'] / s['chunked/zigzag']:.2f}x faster, whole-block "
+            f"zigzag {s['whole blocks/zigzag'] / s['whole blocks/contiguous']:.2f}x slower; over sixteen launches on "
+            "2 vCPUs these ranged from 0.75 to 1.33x and from 1.06 to 1.57x: too near 1 to claim with room")
+
+
 def zigzag_is_slower_whole(factor: float = 1.0) -> Callable[[Any], str]:
     """Gated check: skipping whole blocks only, zigzag's ring-attention step is over `factor` x slower than
     contiguous's at 2 ranks (no zigzag block is hidden whole, so every rank computes every block)."""
     def check(timed: Any) -> str:
         s = timed.value["seconds"]
-        assert s["whole blocks/zigzag"] > factor * s["whole blocks/contiguous"], s
+        assert above(s["whole blocks/zigzag"] / s["whole blocks/contiguous"], factor,
+                     "step time, zigzag / contiguous, whole blocks"), s
         return f"{s['whole blocks/zigzag'] / s['whole blocks/contiguous']:.2f}x"
     return check
 
@@ -306,6 +321,7 @@ def zigzag_is_faster(factor: float = 1.0) -> Callable[[Any], str]:
     contiguous's at 2 ranks."""
     def check(timed: Any) -> str:
         s = timed.value["seconds"]
-        assert s["chunked/contiguous"] > factor * s["chunked/zigzag"], s
+        assert above(s["chunked/contiguous"] / s["chunked/zigzag"], factor,
+                     "step time, contiguous / zigzag, hidden chunks skipped"), s
         return f"{s['chunked/contiguous'] / s['chunked/zigzag']:.2f}x"
     return check

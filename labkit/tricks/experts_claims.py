@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
+from ..measure import above, below
 from . import experts, monitor
 
 
@@ -67,8 +68,9 @@ def wire_facts(run: Any) -> tuple[pd.DataFrame, pd.Series, dict[str, tuple[Any, 
                     f"{int(wire.leaving_measured.sum())} rows left in all"),
         "some leave": (bool(((0 < wire.ep_rows_leaving) & (wire.ep_rows_leaving < wire.ep_rows_out)).all()),
                        f"{wire.ep_rows_leaving.min():g} to {wire.ep_rows_leaving.max():g} rows a step"),
-        "formula off": (off > 0.2, f"up to {off:.0%}"),
-        "whole run": (bool(((left - 0.5).abs() < 0.1).all()), left.round(3).to_dict())}
+        "formula off": (above(off, 0.2, "largest |leaving / formula - 1|"), f"up to {off:.0%}"),
+        "whole run": (below((left - 0.5).abs().max(), 0.1, "largest |share of rows that left - 1/2|"),
+                      left.round(3).to_dict())}
 
 
 def _counted(hot: Any) -> pd.DataFrame:
@@ -80,7 +82,7 @@ def the_hot_rank_works_longer(hot_rank: int) -> Callable[[Any], str]:
     def check(hot: Any) -> str:
         counted = _counted(hot)
         busy, partner = counted.loc[hot_rank], counted.drop(hot_rank).iloc[0]
-        assert busy.ep_t_experts > 1.25 * partner.ep_t_experts, counted
+        assert above(busy.ep_t_experts / partner.ep_t_experts, 1.25, "hot rank's expert time / partner's"), counted
         return f"{busy.ep_t_experts / partner.ep_t_experts:.2f}x"
     return check
 
@@ -90,14 +92,17 @@ def the_partner_waits_in_the_combine(hot_rank: int) -> Callable[[Any], str]:
     def check(hot: Any) -> str:
         counted = _counted(hot)
         busy, partner = counted.loc[hot_rank], counted.drop(hot_rank).iloc[0]
-        assert partner.ep_t_combine > busy.ep_t_combine, counted
+        assert above(partner.ep_t_combine / busy.ep_t_combine, 1.0, "partner's combine time / hot rank's"), counted
         return f"{partner.ep_t_combine * 1e3:.0f} ms vs {busy.ep_t_combine * 1e3:.0f} ms"
     return check
 
 
 def no_one_at_the_all_reduce(hot: Any) -> str:
-    """Gated check: lesson 11's straggler rule, read at DDP's gradient all-reduce, names no rank."""
-    named = monitor.stragglers(hot.value)
+    """Gated check: lesson 11's straggler rule, read at DDP's gradient all-reduce, names no rank (and how near its
+    threshold each rank's share of slow steps came, kept as bounds)."""
+    shares: dict[int, float] = {}
+    named = monitor.stragglers(hot.value, shares=shares)
+    monitor.share_bounds(shares, None)
     assert named == [], named
     return "no rank named"
 
@@ -105,20 +110,19 @@ def no_one_at_the_all_reduce(hot: Any) -> str:
 def the_hang_is_reported_soon(hang_s: float) -> Callable[[Any], str]:
     """Gated check on a metered trap("fsdp"): reported within the watchdog's timeout + 5 s of the launch."""
     def check(trapped: Any) -> str:
-        assert trapped.value.seconds < hang_s + 5, trapped.value.seconds
+        assert below(trapped.value.seconds, hang_s + 5, "launch to hang reported (s)"), trapped.value.seconds
         return f"{trapped.value.seconds:.1f} s"
     return check
 
 
-def the_search_costs_forward_time(fixes: Any) -> str:
-    """Gated check: find_unused_parameters' forward is longer than every expert's (median of paired steps)."""
-    extra = experts.fix_costs(fixes.value).loc["both", "fwd_extra_ms"]
-    assert extra > 0, extra
-    return f"+{extra:.3f} ms"
-
-
-def the_search_costs_step_time(fixes: Any) -> str:
-    """Gated check: ... and the whole step too (the used-parameter map is all-reduced in backward)."""
-    extra = experts.fix_costs(fixes.value).loc["both", "step_extra_ms"]
-    assert extra > 0, extra
-    return f"+{extra:.3f} ms"
+def search_cost_unchecked(fixes: Any) -> str:
+    """Why the cost of find_unused_parameters' search is shown, not claimed, on a small CPU machine: the reason
+    not_checked records, with this run's numbers. The search adds a few percent to a forward (0.3 to 0.8 ms of 8
+    to 17 ms over six quiet launches on a 2-vCPU machine), and the forward was longer in only 54 to 74 % of the
+    paired steps: a coin toss's distance from the claim's limit, no room for a margin of 20 %."""
+    df = fixes.value.df[fixes.value.df.step >= 2]
+    fwd, step = df.t_fwd_unused - df.t_fwd_every, df.t_step_unused - df.t_step_every
+    return (f"the search adds {fwd.median() * 1e3:.2f} ms to a {df.t_fwd_every.median() * 1e3:.1f} ms forward; "
+            f"longer in {(fwd > 0).mean():.0%} of paired steps (the whole step: {(step > 0).mean():.0%}), "
+            "near a coin toss: too small an effect on a few CPU cores to claim with room (54-74 % over six quiet "
+            "launches on 2 vCPUs)")

@@ -11,7 +11,8 @@ picture, the cost of restarting workers, and the simplest model of workers shari
 The lesson's claims, each in one line: what a DistributedSampler and a DataLoader did inside a function the
 learner launched (shards_cover_once, epoch_orders, made_by_workers, worker_pids: a rank returns the list of
 (epoch, sample index, pid of the process that made it) it saw), and the checks handed to the speed gate, made
-for a column and a bound (busy_below, busy_gain_below, busy_above, ratio_below, ratio_above, restarts_cost, persistent_pays_once):
+for a column and a bound (busy_below, busy_gain_below, busy_above, ratio_below, ratio_above, saves_under,
+restarts_cost, persistent_pays_once):
 
     claims.gated("2 workers cut t_data below 0.75x", ratio_below("t_data_ms", 0.75), timed.only([0, 2]))
 
@@ -25,6 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import pandas as pd
 
+from ..measure.bounds import above, below
 from ..measure.claims import LIMIT_CORES
 from ..measure.timing import Timing
 from ..training.data import DigitsSamples, DigitsStream, digits_data, sample_work  # noqa: F401 - the lesson's door
@@ -166,7 +168,8 @@ def busy_below(limit: float) -> Callable[[Any], str]:
     """A gated check: every setting kept fewer than `limit` cores busy."""
     def check(timed: Any) -> str:
         busy = split_table(timed)["cores busy"]
-        assert (busy < limit).all(), f"cores busy {busy.round(2).tolist()}, not all under {limit:g}"
+        assert below(busy.max(skipna=False), limit, "most cores busy"), \
+            f"cores busy {busy.round(2).tolist()}, not all under {limit:g}"
         return f"{busy.max():.2f} cores busy"
     return check
 
@@ -177,17 +180,19 @@ def busy_gain_below(limit: float) -> Callable[[Any], str]:
     def check(timed: Any) -> str:
         busy = split_table(timed)["cores busy"]
         gain = busy.iloc[1:] - busy.iloc[0]
-        assert (gain < limit).all(), f"cores busy {busy.round(2).tolist()}: {gain.round(2).tolist()} more, not all " \
-                                     f"under {limit:g}"
+        assert below(gain.max(skipna=False), limit, "most cores busy gained over the first setting"), \
+            f"cores busy {busy.round(2).tolist()}: {gain.round(2).tolist()} more, not all under {limit:g}"
         return f"+{gain.max():.2f} cores busy ({busy.iloc[0]:.2f} -> {busy.iloc[1:].max():.2f})"
     return check
 
 
 def busy_above(limit: float) -> Callable[[Any], str]:
-    """A gated check: every setting kept more than `limit` cores busy."""
+    """A gated check: every setting kept more than `limit` cores busy. Its bound is on the cores left idle (under
+    cores - limit): cores busy cannot pass the cores pinned, so the room of a claim near them is read off the idle."""
     def check(timed: Any) -> str:
-        busy = split_table(timed)["cores busy"]
-        assert (busy > limit).all(), f"cores busy {busy.round(2).tolist()}, not all over {limit:g}"
+        busy, cores = split_table(timed)["cores busy"], timed.settings["cores"]
+        assert below(cores - busy.min(skipna=False), cores - limit, "most cores left idle"), \
+            f"cores busy {busy.round(2).tolist()}, not all over {limit:g}"
         return f"{busy.min():.2f} cores busy"
     return check
 
@@ -201,7 +206,8 @@ def ratio_below(column: str, bound: float) -> Callable[[Any], str]:
     """A gated check: `column` of every setting after the first stays under `bound` x the first's."""
     def check(timed: Any) -> str:
         r = ratios(split_table(timed)[column])
-        assert (r < bound).all(), f"{column}: {r.round(2).tolist()} x the first, not all under {bound:g}"
+        assert below(r.max(skipna=False), bound, f"{column} / the first setting's, most"), \
+            f"{column}: {r.round(2).tolist()} x the first, not all under {bound:g}"
         return f"{column} {r.max():.2f}x"
     return check
 
@@ -210,8 +216,57 @@ def ratio_above(column: str, bound: float) -> Callable[[Any], str]:
     """A gated check: `column` of every setting after the first stays over `bound` x the first's."""
     def check(timed: Any) -> str:
         r = ratios(split_table(timed)[column])
-        assert (r > bound).all(), f"{column}: {r.round(2).tolist()} x the first, not all over {bound:g}"
+        assert above(r.min(skipna=False), bound, f"{column} / the first setting's, least"), \
+            f"{column}: {r.round(2).tolist()} x the first, not all over {bound:g}"
         return f"{column} {r.min():.2f}x"
+    return check
+
+
+def median_step_ms(timing: Timing) -> float:
+    """Wall ms per steady step of one setting, the median over its rounds (not only the repeat kept):
+    median_step_ms(timed["2 workers"])."""
+    return 1e3 * float(pd.Series([step for _, step in timing.repeats] or [timing.step_s]).median())
+
+
+def saved_share(timed: Any, gain: tuple[str, str], reference: tuple[str, str]) -> float:
+    """The step time going from gain[0] to gain[1] saves, as a share of what `reference` saves (each setting's
+    median over rounds):  saved_share(one_rank, ("2 workers", "3 workers"), ("1 worker", "2 workers")) -> 0.24."""
+    step = {label: median_step_ms(timed[label]) for label in {*gain, *reference}}
+    return (step[gain[0]] - step[gain[1]]) / (step[reference[0]] - step[reference[1]])
+
+
+def extra_worker_unchecked(timed: Any, cores: int) -> str:
+    """Why lesson 05 shows, and does not claim, what a worker beyond the cores buys: the reason not_checked
+    records, with this run's share. Two workers on two vCPUs stepped anywhere from 18 to 24 ms over quiet runs (the
+    floor: 16), so what a third one bought ranged from 0.04 to 2.96 times what the second bought over sixteen runs:
+    it fills gaps two workers leave, and how many gaps there are is up to the scheduler."""
+    labels = list(timed)
+    share = saved_share(timed, (labels[cores], labels[cores + 1]), (labels[cores - 1], labels[cores]))
+    return (f"this run: worker {cores + 1} saved {share:.2f} of what worker {cores} saved; over sixteen quiet runs "
+            "on 2 vCPUs it ranged from 0.04 to 2.96 (the 2-worker step between 18 and 24 ms): no room to claim "
+            "'little'")
+
+
+def saves_under(share: float, gains: Sequence[tuple[str, str]], reference: tuple[str, str]) -> Callable[[Any], str]:
+    """A gated check: going from `before` to `after`, for each (before, after) in `gains`, saves under `share` of
+    the step time that `reference` (before, after) saves. Step times are each setting's median over rounds:
+
+        saves_under(0.5, [("2 workers", "3 workers")], ("1 worker", "2 workers"))  # a 3rd worker buys little
+
+    A knob that buys nothing more shows as a share near 0 (or below: a little slower), one that buys what the
+    reference bought as a share near 1, so a limit of a half stands far from both; the ratio of the two step times
+    alone would sit near 1 either way, within the noise of a shared machine."""
+    def check(timed: Any) -> str:
+        step = {label: median_step_ms(t) for label, t in timed.items()}
+        bought = step[reference[0]] - step[reference[1]]
+        assert bought > 0, f"the reference, {reference[0]} -> {reference[1]}, saved no step time: {step}"
+        shares = {f"{b} -> {a}": (step[b] - step[a]) / bought for b, a in gains}
+        worst = max(shares, key=shares.get)
+        assert below(shares[worst], share, f"step time saved, {worst} / {reference[0]} -> {reference[1]}"), \
+            f"{worst} saved {shares[worst]:.2f} of what {reference[0]} -> {reference[1]} saved " \
+            f"({bought:.1f} ms): {step}"
+        return (", ".join(f"{k} saved {v:.2f}" for k, v in shares.items())
+                + f" of the {bought:.1f} ms {reference[0]} -> {reference[1]} saved")
     return check
 
 
@@ -221,7 +276,8 @@ def restarts_cost(steps_per_epoch: int, ms: float = 5.0) -> Callable[[Any], str]
     def check(timed: Any) -> str:
         starts = epoch_starts(timed.runs, steps_per_epoch)["epoch's first step (ms, median)"]
         cost = starts.iloc[0] - starts.iloc[1]
-        assert cost > ms, f"restarting the workers cost {cost:.1f} ms at an epoch start, not over {ms:g}\n{starts}"
+        assert above(cost, ms, "epoch's first step, not persistent minus persistent (ms)"), \
+            f"restarting the workers cost {cost:.1f} ms at an epoch start, not over {ms:g}\n{starts}"
         return f"{cost:.0f} ms per epoch start"
     return check
 
@@ -232,7 +288,8 @@ def persistent_pays_once(steps_per_epoch: int, ms: float = 5.0) -> Callable[[Any
     def check(timed: Any) -> str:
         row = epoch_starts(timed.runs, steps_per_epoch).iloc[1]
         first, later = row["run's first step (ms)"], row["epoch's first step (ms, median)"]
-        assert first > later + ms, f"first step {first:.1f} ms, later epochs' first {later:.1f} ms (margin {ms:g})"
+        assert above(first - later, ms, "run's first step minus later epochs' first (ms)"), \
+            f"first step {first:.1f} ms, later epochs' first {later:.1f} ms (margin {ms:g})"
         return f"first step {first:.0f} ms, later epochs' {later:.0f} ms"
     return check
 

@@ -7,7 +7,7 @@
     monitor.stragglers(run)                 # [] or [Straggler(rank=1, extra_s=0.021, ...)]
     monitor.tensorboard_command([run])      # the shell command that serves these runs on 127.0.0.1
     monitor.clock_offsets(table)            # each rank's clock minus rank 0's, from steps they ended together
-    monitor.clock_is_off(table, 1, 2.5)     # True: rank 1's clock measured 2.5 s (to a tenth) ahead of rank 0's
+    monitor.clock_is_off(table, 1, 2.5)     # holds: rank 1's clock measured 2.5 s (to a tenth) ahead of rank 0's
     monitor.same_losses(healthy, slowed)    # True: every rank's loss at every step equal in both runs (loss_gap)
     run, cmd = monitor.launch_as_nodes(cfg) # torchrun as two "nodes" writing one new run dir under runs_root()
 
@@ -33,6 +33,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from ..config import RunConfig
+from ..measure.bounds import Bound, above, below
 from ..records import Run
 from ..rundir import RunDir, runs_root
 from ..view import COLORS, in_notebook, new_figure, shown
@@ -100,15 +101,21 @@ class Straggler:
     slow_steps: float       # the share of steps in which its compute exceeded theirs by more than min_share
 
 
+STEADY = 0.75   # stragglers' default `steady`: the share of steps in which a straggler's compute stands out
+
+
 def stragglers(source: Run | pd.DataFrame, *, after: int = 2, min_share: float = 0.2,
-               steady: float = 0.75) -> list[Straggler]:
+               steady: float = STEADY, shares: dict[int, float] | None = None) -> list[Straggler]:
     """The ranks the others waited for, slowest first; [] when no rank stands out:  monitor.stragglers(run).
 
     A rank is named when its compute exceeds the other ranks' median compute by more than min_share of theirs in
     at least `steady` of the steps (from step `after` on), AND the others spent at least half its median excess
     waiting in the all-reduce while it waited less than them. A straggler is slow step after step: a stretch of
     slow steps (another program on the rank's core, the scheduler's turns when ranks outnumber cores) is not
-    one, and a slow rank that nobody waits for (no such thing in synchronous DDP) is not named either."""
+    one, and a slow rank that nobody waits for (no such thing in synchronous DDP) is not named either.
+
+    shares: a dict to fill with every rank's share of slow steps (the number held against `steady`), named or
+    not, so that a check can record how near the threshold each rank came (share_bounds)."""
     table = source.df if isinstance(source, Run) else source
     split = compute_and_wait(table[table["step"] >= after])
     compute = split.pivot(index="step", columns="rank", values="compute").dropna()   # steps every rank recorded
@@ -120,6 +127,8 @@ def stragglers(source: Run | pd.DataFrame, *, after: int = 2, min_share: float =
         base = compute.drop(columns=rank).median(axis=1)      # the others' compute, step by step
         excess = compute[rank] - base
         slow_steps = float((excess > min_share * base).mean())
+        if shares is not None:
+            shares[int(rank)] = slow_steps
         extra, waited = float(excess.median()), float(waits.drop(rank).median())
         if slow_steps >= steady and waited > extra / 2 and waits[rank] < waited:
             found.append(Straggler(int(rank), extra, extra / float(base.median()), waited, float(waits[rank]),
@@ -141,12 +150,14 @@ CLOCK_SHARE = 0.1   # clock_is_off's tolerance, as a share of the offset it is a
 
 
 def clock_is_off(table: pd.DataFrame, rank: int, seconds: float, *, scale: float | None = None,
-                 after: int = 2) -> bool:
+                 after: int = 2) -> Bound:
     """Whether the events say `rank`'s clock is `seconds` ahead of rank 0's, to CLOCK_SHARE of `scale` (default:
-    of `seconds`):  clock_is_off(table, 1, 2.5) -> True when clock_offsets(table)[1] is within 0.25 s of 2.5;
-    clock_is_off(table, 1, 0.0, scale=2.5): one clock, to the same 0.25 s."""
+    of `seconds`):  clock_is_off(table, 1, 2.5) holds when clock_offsets(table)[1] is within 0.25 s of 2.5;
+    clock_is_off(table, 1, 0.0, scale=2.5): one clock, to the same 0.25 s. A measure.below Bound, true when it
+    holds: a claim given it keeps the offset's error and its margin."""
     tolerance = CLOCK_SHARE * abs(scale if scale is not None else seconds)
-    return bool(abs(clock_offsets(table, after)[rank] - seconds) < tolerance)
+    return below(abs(clock_offsets(table, after)[rank] - seconds), tolerance,
+                 f"|rank {rank}'s clock offset - {seconds:g} s| (s)")
 
 
 SAME_LOSS = 1e-6   # same_losses' tolerance: float32 losses of the same computation agree to far better
@@ -306,34 +317,57 @@ def _medians(timed, labels=("healthy", "rank 1 slowed")) -> tuple[pd.DataFrame, 
 def everyone_slowed(timed, delay_s: float) -> str:
     """Every rank's median step grew by more than half the delay one rank was given."""
     grew = _medians(timed)[2]["t_step"]
-    assert (grew > 0.5 * delay_s * 1000).all(), grew
+    assert above(grew.min(skipna=False), 0.5 * delay_s * 1000, "least step growth (ms)"), grew
     return f"step time grew {grew.round(1).tolist()} ms per rank"
 
 
 def steps_end_together(timed) -> str:
-    """In the slowed run, the ranks' median step times are within 20 % of each other."""
+    """In the slowed run, the ranks' median step times are within 20 % of each other: the spread, slowest over
+    fastest less 1, under 0.2 (the ratio itself cannot go below 1, so its room is read off the spread)."""
     steps = _medians(timed)[1]["t_step"]
-    assert steps.max() / steps.min() < 1.2, steps
+    assert below(steps.max() / steps.min() - 1, 0.2, "slowest / fastest rank's median step, less 1"), steps
     return f"slowest / fastest rank's median step {steps.max() / steps.min():.2f}"
 
 
 def only_its_compute_grew(timed, rank: int, delay_s: float) -> str:
     """The slowed rank's compute grew by more than half the delay; no other rank's compute did."""
     grew = _medians(timed)[2]["compute"]
-    others = grew.drop(rank)
-    assert grew.loc[rank] > 0.5 * delay_s * 1000 > others.max(), grew
+    others, limit = grew.drop(rank), 0.5 * delay_s * 1000
+    own = above(grew.loc[rank], limit, "slowed rank's compute growth (ms)")
+    rest = below(others.max(), limit, "other ranks' largest compute growth (ms)")
+    assert own and rest, grew
     return f"compute grew {grew.round(1).tolist()} ms per rank"
 
 
 def no_false_alarm(timed, label: str = "healthy") -> str:
     """monitor.stragglers names no rank in the healthy run."""
-    named = stragglers(read_tensorboard(timed[label].run))
+    shares: dict[int, float] = {}
+    named = stragglers(read_tensorboard(timed[label].run), shares=shares)
+    share_bounds(shares, None)
     assert named == [], named
     return "none named"
 
 
 def straggler_named(timed, rank: int, label: str = "rank 1 slowed") -> str:
     """monitor.stragglers names exactly the slowed rank."""
-    named = [s.rank for s in stragglers(read_tensorboard(timed[label].run))]
+    shares: dict[int, float] = {}
+    named = [s.rank for s in stragglers(read_tensorboard(timed[label].run), shares=shares)]
+    share_bounds(shares, rank)
     assert named == [rank], named
     return f"named {named}"
+
+
+def share_bounds(shares: dict[int, float], rank: int | None, label: str = "") -> list[Bound]:
+    """The numbers stragglers held against STEADY (its `shares`), kept as bounds for a gated check's log: the share
+    of slow steps of `rank`, the one that should be named, above STEADY, and the largest share of the others below
+    it (rank None: no rank should be named). Recorded, not asserted: the claim is the names stragglers decided on
+    (its wait rules count too, and it names a share equal to STEADY, where above() is strict); these say how near
+    its threshold each rank came:  share_bounds({0: 0.1, 1: 0.9}, 1) -> [0.9 above 0.75, 0.1 below 0.75]."""
+    prefix = f"{label}: " if label else ""
+    kept = []
+    if rank is not None and rank in shares:
+        kept.append(above(shares[rank], STEADY, f"{prefix}rank {rank}'s share of slow steps (to be named)"))
+    others = [share for r, share in shares.items() if r != rank]
+    if others:
+        kept.append(below(max(others), STEADY, f"{prefix}largest share of slow steps, ranks not to be named"))
+    return kept

@@ -28,6 +28,7 @@ import torch.distributed.tensor.parallel  # noqa: F401
 from matplotlib.figure import Figure
 
 from ..config import RunConfig
+from ..measure.bounds import above, below
 from ..records import Run
 from ..run.launch import launch
 from ..training.parallel.dispatchcount import DispatchCounter
@@ -297,15 +298,16 @@ def wire_check(count: dict[str, Any], group: int) -> dict[str, float]:
 def writes_the_ring_model(io: dict[str, float]) -> str:
     """Check for claims.checked_unless: the bytes written equal the ring model's within 2% (message headers)."""
     ratio = io["written"] / io["ring model"]
-    assert abs(ratio - 1) < 0.02, f"wrote {ratio:.3f}x the ring model's bytes"
+    assert below(abs(ratio - 1), 0.02, "|written / ring model - 1|"), f"wrote {ratio:.3f}x the ring model's bytes"
     return f"{ratio:.3f}x"
 
 
 def writes_over(factor: float) -> Callable[[tuple[float, float]], str]:
     """Check for claims.checked_unless on (bytes, other bytes): the first over `factor` times the second."""
     def check(pair: tuple[float, float]) -> str:
-        assert pair[0] > factor * pair[1], f"{pair[0] / pair[1]:.3f}x, not over {factor}x"
-        return f"{pair[0] / pair[1]:.3f}x"
+        ratio = pair[0] / pair[1]
+        assert above(ratio, factor, "bytes / bytes compared with"), f"{ratio:.3f}x, not over {factor}x"
+        return f"{ratio:.3f}x"
     return check
 
 

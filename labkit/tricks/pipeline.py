@@ -34,7 +34,7 @@ import torch.distributed.pipelining  # noqa: F401 - imported once here, so forke
 from matplotlib.figure import Figure
 
 from ..config import RunConfig, V_SCHEDULES
-from ..measure import CpuMeter, pin_rank, pinned_to, usable_cores
+from ..measure import CpuMeter, above, below, pin_rank, pinned_to, usable_cores
 from ..records import Run
 from ..run.launch import launch
 from ..training.loop import train
@@ -223,14 +223,16 @@ def messages_wait_little(sweep: "Sweep") -> str:
     """Gated check: in every run of the sweep, a message waited under a tenth of a microbatch's forward (the
     premise of comparing a bubble with its formula: otherwise the bubble measured would be mostly messages)."""
     worst = (sweep.table["wait (ms)"] / sweep.table["forward (ms)"]).max()
-    assert worst < 0.1, f"a message waited up to {worst:.2f} of a forward\n{sweep.table.round(3)}"
+    assert below(worst, 0.1, "most message wait / forward"), \
+        f"a message waited up to {worst:.2f} of a forward\n{sweep.table.round(3)}"
     return f"at most {worst:.3f} of a forward"
 
 
 def bubbles_follow_the_formula(sweep: "Sweep", tolerance: float = TOLERANCE) -> str:
     """Gated check: every run's bubble (the slowest stage's) within `tolerance` of the step of its formula."""
     gap = (sweep.table.measured - sweep.table.formula).abs()
-    assert (gap <= tolerance).all(), f"bubble vs formula\n{sweep.table[['run', 'measured', 'formula']].round(3)}"
+    assert below(gap.max(skipna=False), tolerance, "largest |bubble - formula| (of the step)"), \
+        f"bubble vs formula\n{sweep.table[['run', 'measured', 'formula']].round(3)}"
     return f"largest gap {gap.max():.3f} over m = {sweep.table.m.tolist()}"
 
 
@@ -243,14 +245,16 @@ def ramp_follows_the_interleaved_formula(sweep: "Sweep", tolerance: float = TOLE
     for the other rank's compute) within `tolerance` of (p-1)/(v m+p-1)."""
     row = _row(sweep, "Interleaved1F1B")
     ramp = row.measured - row["between actions"]
-    assert abs(ramp - row.formula) <= tolerance, f"ramp {ramp:.3f} vs formula {row.formula:.3f}"
+    assert below(abs(ramp - row.formula), tolerance, "|ramp - formula| (of the step)"), \
+        f"ramp {ramp:.3f} vs formula {row.formula:.3f}"
     return f"{ramp:.3f} vs {row.formula:.3f}"
 
 
 def interleaving_idles_more_between_actions(sweep: "Sweep") -> str:
     """Gated check: Interleaved1F1B's idle between actions above 1F1B's, both in the same sweep."""
     mine, base = _row(sweep, "Interleaved1F1B")["between actions"], _row(sweep, "1F1B")["between actions"]
-    assert mine > base, f"between actions: interleaved {mine:.3f}, 1F1B {base:.3f}"
+    assert above(mine / base, 1.0, "idle between actions, Interleaved1F1B / 1F1B"), \
+        f"between actions: interleaved {mine:.3f}, 1F1B {base:.3f}"
     return f"{mine:.3f} vs 1F1B's {base:.3f}"
 
 
@@ -265,8 +269,9 @@ class BubbleBelow1F1B:
     def __call__(self, sweep: "Sweep") -> str:
         mine, base = _row(sweep, self.schedule), _row(sweep, "1F1B")
         mine, base = (r.measured - (r["between actions"] if self.less_between else 0.0) for r in (mine, base))
-        assert mine < base, f"bubble{' less between actions' if self.less_between else ''}: {self.schedule} " \
-                            f"{mine:.3f}, 1F1B {base:.3f}"
+        what = f"{self.schedule} bubble{' less between actions' if self.less_between else ''} (limit: 1F1B's)"
+        assert below(mine, base, what), f"bubble{' less between actions' if self.less_between else ''}: " \
+                                        f"{self.schedule} {mine:.3f}, 1F1B {base:.3f}"
         return f"{mine:.3f} vs 1F1B's {base:.3f}"
 
 

@@ -23,7 +23,7 @@ import torch
 from matplotlib.figure import Figure
 
 from ..config import RunConfig
-from ..measure import CpuMeter, pinned_to
+from ..measure import CpuMeter, above, pinned_to
 from ..records import Run
 from ..training.parallel.held import SavedTensors
 from ..training.tasks import make_task
@@ -216,7 +216,8 @@ def autocast_is_slower(timed: tuple[pd.DataFrame, float]) -> str:
     metered_autocast_speed measurement)."""
     speed, _ = timed
     bf16, fp16 = speed.loc["bf16", "model vs fp32"], speed.loc["fp16", "model vs fp32"]
-    assert bf16 > 1 and fp16 > 1, (bf16, fp16)
+    assert all([above(bf16, 1, "fwd+bwd time, bf16 / fp32"), above(fp16, 1, "fwd+bwd time, fp16 / fp32")]), \
+        (bf16, fp16)
     return f"bf16 {bf16:.2f}x, fp16 {fp16:.2f}x fp32"
 
 

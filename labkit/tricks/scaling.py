@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from ..measure import above, below
 from ..view import COLORS, new_figure, shown
 
 
@@ -200,7 +201,7 @@ def larger_batch_more_samples_per_s(timed: Any) -> str:
     shared by more samples). timed: the sweep's 1-rank runs."""
     speed = _one_rank(timed)["samples/s"]
     ratio = speed["tiny", 128] / speed["tiny", 8]
-    assert ratio > 1.1, speed
+    assert above(ratio, 1.1, "samples/s, 128 / 8 per rank (tiny, 1 rank)"), speed
     return f"{ratio:.2f}x"
 
 
@@ -209,22 +210,44 @@ def larger_batch_more_compute_per_mb(timed: Any, mb: pd.Series) -> str:
     per rank than at 8, and lower for the small model than for the tiny one at 8 per rank."""
     per_mb = _one_rank(timed)["fwd_bwd_ms"] / mb
     grows, small = per_mb["tiny", 128] / per_mb["tiny", 8], per_mb["small", 8] / per_mb["tiny", 8]
-    assert grows > 3 and small < 1, per_mb
+    assert all([above(grows, 3, "fwd+bwd ms per MB all-reduced, 128 / 8 per rank (tiny)"),
+                below(small, 1, "fwd+bwd ms per MB all-reduced, small / tiny at 8 per rank")]), per_mb
     return f"{grows:.1f}x at 128 per rank; small/tiny {small:.2f}"
 
 
+def round_efficiencies(timed: Any, world: int = 2) -> pd.DataFrame:
+    """Per (model, batch per rank) of a lesson-03 sweep and per round, the efficiency of `world` ranks against one,
+    from the two runs made next to each other in that round (measure.Timings.paired): at the same batch per rank,
+    efficiency = one rank's step time / `world` ranks' step time:  round_efficiencies(sweep) -> rows (model,
+    batch), one column per round."""
+    rows = {}
+    for label in timed:
+        size, w, _, batch = label.split()
+        if int(w) == world and f"{size} 1 x {batch}" in timed:
+            rows[(size, int(batch))] = timed.paired(f"{size} 1 x {batch}", label)
+    table = pd.DataFrame(rows).T.sort_index()
+    table.index.names = ["model", "batch per rank"]
+    table.columns = [f"round {r + 1}" for r in table.columns]
+    return table
+
+
 def two_ranks_scale(timed: Any) -> str:
-    """2 ranks beat one at every (model, batch per rank) of the sweep: efficiency above 0.5."""
-    eff = sweep_table(timed, timed.settings["cores"])["efficiency"].xs(2, level="world")
-    assert (eff > 0.5).all(), eff
-    return f"least 2-rank efficiency {eff.min():.2f}"
+    """2 ranks beat one: the median 2-rank efficiency over the sweep's points and rounds is above 0.5 (a speed-up
+    above 1). Each efficiency pairs the 1-rank and 2-rank runs of one round, made next to each other; one point in
+    one round swings from about 0.55 to 1.0 on a 2-vCPU virtual machine, the median of them all does not."""
+    eff = round_efficiencies(timed)
+    median = float(np.median(eff.to_numpy()))
+    assert above(median, 0.5, "median 2-rank efficiency, points x rounds"), eff
+    spread = f"{eff.min().min():.2f} to {eff.max().max():.2f}"
+    return f"median 2-rank efficiency {median:.2f} (each point and round: {spread})"
 
 
 def oversubscription_costs(timed: Any) -> str:
     """Tiny model, 4 ranks on 2 cores: the efficiency is below 0.9x its 2-rank value at 8 and at 128 per rank."""
     eff = sweep_table(timed, timed.settings["cores"])["efficiency"]
     kept = {b: eff["tiny", b, 4] / eff["tiny", b, 2] for b in (8, 128)}
-    assert all(share < 0.9 for share in kept.values()), eff
+    assert all([below(share, 0.9, f"efficiency, 4 ranks / 2 ranks at {b} per rank (tiny)")
+                for b, share in kept.items()]), eff
     return ", ".join(f"{b} per rank: {share:.2f} of the 2-rank efficiency" for b, share in kept.items())
 
 
@@ -232,7 +255,7 @@ def large_batch_runs_faster(timed: Any) -> str:
     """Runs B and C (batch 256) both run at over 1.5x the samples/s of run A (batch 32)."""
     speed = {key: t.run.summary()["median_samples_per_s"] for key, t in timed.items()}
     ratio = min(speed["B"], speed["C"]) / speed["A"]
-    assert ratio > 1.5, speed
+    assert above(ratio, 1.5, "samples/s, min(B, C) / A"), speed
     return f"{ratio:.1f}x"
 
 

@@ -38,6 +38,7 @@ import torch
 from matplotlib.figure import Figure
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..measure import Bound, above, below
 from ..records import Run
 from ..run.failure import RankFailure
 from ..training.amp import StepCounter, autocast
@@ -292,7 +293,9 @@ def flag_share_falls(summary: pd.DataFrame) -> bool:
     larger batch the step took longer, and the most the flag adds (its wait included, which grows with the drift
     of longer steps) was a smaller share of it:  flag_share_falls(summary) -> True."""
     small, large = summary.sort_index().iloc[0], summary.sort_index().iloc[-1]
-    return bool(large["step"] > small["step"] and large["share"] < small["share"])
+    return all([above(large["step"] / small["step"], 1, "step without the flag, larger / smaller batch"),
+                below(large["share"], small["share"], "most the flag adds, % of the larger batch's step, "
+                                                     "against the smaller's")])
 
 
 def flag_traffic(run: Run) -> dict[str, float]:
@@ -359,7 +362,7 @@ def skipped_steps(run: Run, column: str = "skipped") -> dict[int, list[int]]:
             for rank, rows in run.df.groupby("rank")}
 
 
-def clip_returned_norm_before(run: Run, max_norm: float, rank: int = 0) -> tuple[str, bool]:
+def clip_returned_norm_before(run: Run, max_norm: float, rank: int = 0) -> tuple[str, bool | Bound]:
     """Whether the "norm" a loop recorded from clip_grad_norm_ is the norm before clipping, read against "left" (the
     norm measured after it): left is max_norm where norm was above it and norm itself elsewhere. Finite steps on
     both sides of max_norm are required, since with none above, a norm taken after clipping passes too.
@@ -367,9 +370,9 @@ def clip_returned_norm_before(run: Run, max_norm: float, rank: int = 0) -> tuple
     rows = run.df[run.df["rank"] == rank]
     rows = rows[rows["norm"].apply(math.isfinite)]
     gap = float(((rows["left"] - rows["norm"].clip(upper=max_norm)).abs() / max_norm).max()) if len(rows) else math.inf
-    above = int((rows["norm"] > max_norm).sum())
-    ok = 1 <= above < len(rows) and gap < 1e-4
-    return f"{above} of {len(rows)} finite steps above {max_norm}; worst gap to min(norm, max) {gap:.1e}", ok
+    over = int((rows["norm"] > max_norm).sum())
+    ok = 1 <= over < len(rows) and below(gap, 1e-4, "worst |left - min(norm, max)| / max")
+    return f"{over} of {len(rows)} finite steps above {max_norm}; worst gap to min(norm, max) {gap:.1e}", ok
 
 
 def weights_match(run: Run) -> tuple[float, bool]:
