@@ -106,8 +106,9 @@ def test_make_test_prints_the_count_at_the_end(tmp_path):
                     "def test_lesson():\n    gated('busy claim', lambda m: None, M(), attempts=2, wait=lambda limit: 3.0)\n"
                     "    gated('quiet claim', lambda m: None, M(), others=lambda m: 0.0)\n"
                     "    not_checked('py-spy claim', 'ptrace is not permitted here')\n")
-    (tmp_path / "conftest.py").write_text(Path(__file__).with_name("conftest.py").read_text())
-    (tmp_path / "claims_floor.json").write_text(Path(__file__).with_name("claims_floor.json").read_text())
+    (tmp_path / "conftest.py").write_text((Path(__file__).parent.parent / "conftest.py").read_text())
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "claims_floor.json").write_text(Path(__file__).with_name("claims_floor.json").read_text())
     log = tmp_path / "claims.jsonl"
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)], cwd=tmp_path,
                          capture_output=True, text=True,   # no plugin autoload: nbmake and playwright cost 6 s here
