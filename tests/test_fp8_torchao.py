@@ -68,18 +68,9 @@ def test_rowwise_needs_labkits_bf16_output_rounding():
     assert max(_one_layer(recipe, recipe)) < 1e-6
 
 
-@needs_torchao
-def test_torchao_check_trains_both_recipes_as_the_simulation_does():
-    table = fp8.torchao_check(steps=3)
-    assert list(table.index) == ["tensorwise", "rowwise"]
-    layers = fp8.layers_table(fp8.lesson_config(task="tinymoe"))
-    linear = int((layers["class"] == "FP8Linear").sum())
-    assert (table.torchao_layers == linear).all() and linear == 16   # attention's 5 and the shared expert's 3, x 2
-    assert (table.scaled_mm_per_step == 3 * linear).all()
-    assert (table.labkit_scaled_mm == 0).all()
-    assert (table[["loss_gap", "grad_gap"]] < 1e-6).all().all()
-    assert (table.loss_last < table.loss_first).all()
-    assert set(table.attrs["layers"].values()) == {"Float8Linear", "FP8Experts"}
+# fp8.torchao_check (both recipes against the simulation: layers converted, 3 _scaled_mm per layer and step, none of
+# labkit's, the experts kept, losses and gradients within 1e-6, the loss falling) is run and checked by lesson 20's
+# claims under make test.
 
 
 @needs_torchao

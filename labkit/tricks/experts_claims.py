@@ -118,11 +118,11 @@ def the_hang_is_reported_soon(hang_s: float) -> Callable[[Any], str]:
 def search_cost_unchecked(fixes: Any) -> str:
     """Why the cost of find_unused_parameters' search is shown, not claimed, on a small CPU machine: the reason
     not_checked records, with this run's numbers. The search adds a few percent to a forward (0.3 to 0.8 ms of 8
-    to 17 ms over six quiet launches on a 2-vCPU machine), and the forward was longer in only 54 to 74 % of the
-    paired steps: a coin toss's distance from the claim's limit, no room for a margin of 20 %."""
+    to 17 ms over six quiet launches of 100 paired steps on a 2-vCPU machine), and the forward was longer in only 54
+    to 74 % of the paired steps: a coin toss's distance from the claim's limit, no room for a margin of 20 %."""
     df = fixes.value.df[fixes.value.df.step >= 2]
     fwd, step = df.t_fwd_unused - df.t_fwd_every, df.t_step_unused - df.t_step_every
     return (f"the search adds {fwd.median() * 1e3:.2f} ms to a {df.t_fwd_every.median() * 1e3:.1f} ms forward; "
             f"longer in {(fwd > 0).mean():.0%} of paired steps (the whole step: {(step > 0).mean():.0%}), "
             "near a coin toss: too small an effect on a few CPU cores to claim with room (54-74 % over six quiet "
-            "launches on 2 vCPUs)")
+            "launches of 100 paired steps on 2 vCPUs)")
