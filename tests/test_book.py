@@ -102,7 +102,7 @@ def test_make_book_executes_each_lesson_once_then_writes_the_index():
 def test_with_tracks_the_index_opens_with_the_map_and_each_track_with_times_and_prerequisites(tmp_path):
     executed, site = tmp_path / "executed", tmp_path / "site"
     executed.mkdir()
-    header = "{intro}\n\n**You need**: {need}\n\n**Time**: about {q} s in quick mode, {f} min at full size."
+    header = "{intro}\n\n**You need**: {need}\n\n**Run time**: about {q} s in quick mode, {f} min at full size."
     _executed(executed / "00_first.ipynb", "00 · First: runs", header.format(intro="One.", need="Python.", q=10, f=1),
               [("labkit.compare([a])", _png("red"), [])])
     _executed(executed / "01_second.ipynb", "01 · Second: more", header.format(intro="Two.", need="lesson 00.", q=20, f=2),
@@ -118,12 +118,12 @@ def test_with_tracks_the_index_opens_with_the_map_and_each_track_with_times_and_
     page = book.build(executed, site, tmp_path / "no-readme.md", tracks, course_map).read_text()
     assert (site / "figures" / "course_map.png").read_bytes() == course_map.read_bytes()
     assert page.index('src="figures/course_map.png"') < page.index("Track A") < page.index("Track B")
-    assert "2 lessons, about 30 s in quick mode, 3 min at full size" in page        # 10 s + 20 s, 1 + 2 min
-    assert re.search(r'01 · Second</a> <span class="meta">20 s quick, 2 min full; needs <a href="#lesson-00">00</a>',
+    assert "2 lessons, run time about 30 s in quick mode, 3 min at full size" in page        # 10 s + 20 s, 1 + 2 min
+    assert re.search(r'01 · Second</a> <span class="meta">run time 20 s quick, 2 min full; needs <a href="#lesson-00">00</a>',
                      page)
     assert "It assumes <a href=\"#lesson-01\">01</a> (Second), from another track." in page
     assert re.search(r'<div class="lesson" id="lesson-02"><h2><a href="02_third.html">02 · Third</a></h2>'
-                     r'<p class="meta">about 30 s in quick mode, 3 min at full size · needs <a href="#lesson-01">01</a>'
+                     r'<p class="meta">run time about 30 s in quick mode, 3 min at full size · needs <a href="#lesson-01">01</a>'
                      r' · on Track B</p><p>Three.</p>', page)
     titles = re.findall(r"<h2><a href=\"([^\"]+)\">([^<]+)</a></h2>", page)
     assert [t for _, t in titles] == ["00 · First: runs", "01 · Second: more", "02 · Third"]   # still in order

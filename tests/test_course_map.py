@@ -36,7 +36,7 @@ def test_every_lesson_header_gives_its_number_title_and_times():
     for lesson in LESSONS:
         assert lesson.number == lesson.file[:2] and lesson.title != lesson.file, lesson
         assert lesson.quick_s and lesson.full_s and lesson.quick_s <= lesson.full_s, \
-            f"lesson {lesson.number}: its Time line should read 'about N s in quick mode, M min at full size'"
+            f"lesson {lesson.number}: its Run time line should read 'about N s in quick mode, M min at full size'"
         if lesson.number != "00":
             assert lesson.needs, f"lesson {lesson.number}'s 'You need' line names no lesson by number"
 
@@ -117,7 +117,7 @@ def test_the_checks_fail_on_a_forward_prerequisite_a_cycle_a_missing_lesson_and_
 
 def test_the_header_parser_reads_numbers_ranges_and_minutes():
     header = ("# 07 · Title: more\n\n**You need**: lesson 00 (launching ranks), lessons 03 to 05, and lesson 09 for\n"
-              "section 6; Python.\n\n**Time**: about 1.5 min in quick mode, 2 min at full size (2 cores).\n")
+              "section 6; Python.\n\n**Run time**: about 1.5 min in quick mode, 2 min at full size (2 cores).\n")
     lesson = coursemap.parse("07_title.ipynb", header)
     assert (lesson.number, lesson.title, lesson.short) == ("07", "Title: more", "Title")
     assert lesson.needs == ("00", "03", "04", "05", "09") and (lesson.quick_s, lesson.full_s) == (90.0, 120.0)
@@ -130,3 +130,22 @@ def test_the_tracks_file_is_valid_json_with_lessons_as_two_digit_strings():
     for track in data["tracks"]:
         assert {"id", "name", "goal", "lessons", "assumes"} <= set(track)
         assert all(re.fullmatch(r"\d{2}", n) for n in track["lessons"] + track["assumes"])
+
+
+def test_every_lesson_ends_with_the_next_lesson_of_each_of_its_tracks():
+    assert coursemap.stale_next(NOTEBOOKS) == [], f"a lesson's Next line is stale: {HOW}"
+    for lesson in LESSONS:
+        line = coursemap.next_line(lesson.number, LESSONS, TRACKS)
+        for track in TRACKS:
+            order = track["lessons"]
+            if lesson.number in order[:-1]:
+                following = next(l for l in LESSONS if l.number == order[order.index(lesson.number) + 1])
+                assert f"({following.file})" in line, (lesson.number, track["id"], line)
+
+
+def test_the_next_line_is_replaced_not_added_twice():
+    line = coursemap.next_line("00", LESSONS, TRACKS)
+    once = coursemap.with_next("## Further reading\n- a link\n", line)
+    assert once == f"## Further reading\n- a link\n\n{line}"
+    assert coursemap.with_next(once, line) == once
+    assert coursemap.with_next(once.replace("02 ·", "99 ·"), line) == once

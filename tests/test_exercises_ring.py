@@ -39,6 +39,16 @@ def wrong_owner(q, k, v, ring):
     return _loop(q, k, v, ring, cp.merge, source=lambda ring, step: (ring.rank + step) % ring.size)
 
 
+def untied(q, k, v, ring):
+    """The natural loop: the last shift's K and V are left out of the output on a rank whose last block is hidden."""
+    acc, kv = None, torch.stack((k, v))
+    for step in range(ring.size):
+        acc = cp.merge(acc, ring.block(q, kv[0], kv[1], (ring.rank - step) % ring.size))
+        if step < ring.size - 1:
+            kv = ring.shift(kv)
+    return acc[0]
+
+
 def not_written(q, k, v, ring):
     raise NotImplementedError("not_written is not written yet")
 
@@ -55,6 +65,12 @@ def test_each_classic_mistake_is_named(runs_root, no_leftovers):
                            (wrong_owner, "right without a causal mask, wrong with one")]:
         report = ex.check_ring(mistake, worlds=(4,), runs_root=runs_root)
         assert not report.ok and words in report.text(), (mistake.__name__, report.text())
+
+
+def test_the_last_shift_left_out_of_the_graph_hangs_and_is_named(runs_root, no_leftovers):
+    report = ex.check_ring(untied, worlds=(2,), timeout=3.0, runs_root=runs_root)
+    assert not report.ok and "made no progress" in report.text(), report.text()
+    assert "never used the last shift's K and V" in report.text(), report.text()
 
 
 def test_a_stub_is_reported_as_not_written_yet(runs_root, no_leftovers):

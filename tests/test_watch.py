@@ -61,7 +61,7 @@ def nothing_left_behind():
     assert not left_running(), f"a watched job left processes running: {left_running()}"
 
 
-def test_a_healthy_job_is_recorded_per_rank_and_step_with_the_losses_it_printed_and_would_print_unwatched(tmp_path):
+def test_a_healthy_job_is_recorded_per_rank_and_step_with_the_losses_it_printed(tmp_path):
     done = watch(tmp_path / "run", *torchrun("--steps", "4"))
     assert done.returncode == 0, done.stdout + done.stderr
     run = labkit.load_run(tmp_path / "run")
@@ -75,9 +75,7 @@ def test_a_healthy_job_is_recorded_per_rank_and_step_with_the_losses_it_printed_
     assert (run.df["samples"] == 32).all() and run.summary()["median_samples_per_s"] > 0   # the batch's rows
     assert labkit.watch_report(run).outcome == "finished" and run.finished
     assert run.steps()["loss"].notna().all()          # Run reads the records as it reads a notebook run's
-    plain = subprocess.run(torchrun("--steps", "4"), capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert plain.returncode == 0, plain.stderr[-2000:]
-    assert printed_losses(plain.stdout) == printed      # the same losses without watch: the agent changes nothing
+    # The same command unwatched prints the same losses, bit for bit: lesson 22 claims it (watched_claims.unwatched).
 
 
 def test_the_exit_status_says_how_the_job_ended(monkeypatch, tmp_path):

@@ -1,6 +1,8 @@
 """Lesson 22's checks on watched runs (labkit/tricks/watched_claims.py), on run directories written by hand."""
 import json
 import math
+import os
+import sys
 import types
 
 import pandas as pd
@@ -92,3 +94,34 @@ def test_the_straggler_checks_read_arrival_times(tmp_path):
         wc.late_by_the_sleep(measured, 0, 0.15)
     with pytest.raises(AssertionError):
         wc.straggler_named(measured, 0)
+
+
+def test_step_ids_and_collective_ids_read_the_records(tmp_path):
+    path = tmp_path / "r"
+    path.mkdir()
+    ops = {0: [[1, "gloo:broadcast", 5], [2, "gloo:all_reduce", 6]], 1: [[3, "gloo:all_reduce", 7]]}
+    for rank in (0, 1):
+        with open(path / f"rank{rank}.jsonl", "w") as f:
+            for step in (0, 1) if rank == 0 else (0,):
+                f.write(json.dumps({"rank": rank, "step": step, "loss": 1.0, "time": 1000.0 + step,
+                                    "arrivals": ops[step]}) + "\n")
+    run = labkit.Run(path)
+    assert wc.step_ids(run) == {0: [0, 1], 1: [0]}
+    seen = wc.collective_ids(run)
+    assert seen[seen["rank"] == 0][["step", "seq", "op"]].values.tolist() == [
+        [0, 1, "broadcast"], [0, 2, "all_reduce"], [1, 3, "all_reduce"]]
+
+
+def test_unwatched_runs_the_command_without_the_agent_and_reads_what_it_printed(tmp_path, monkeypatch):
+    from labkit.run.watch import SITE_DIR
+    from labkit.training import agent
+    monkeypatch.setenv(agent.DIR_ENV, str(tmp_path))                 # as if this process ran under labkit watch
+    monkeypatch.setenv("PYTHONPATH", f"{SITE_DIR}{os.pathsep}{tmp_path}")
+    script = ("import os, sys; env = os.environ; "
+              f"assert {agent.DIR_ENV!r} not in env, 'the run directory leaked'; "
+              f"assert {str(SITE_DIR)!r} not in env.get('PYTHONPATH', ''), 'the agent would start'; "
+              "print('rank 0 step 0 loss 0.5'); print('rank 1 step 0 loss 0.25')")
+    printed = wc.unwatched([sys.executable, "-c", script])
+    assert printed.values.tolist() == [[0, 0, 0.5], [1, 0, 0.25]]
+    with pytest.raises(RuntimeError, match="exited 3 unwatched"):
+        wc.unwatched([sys.executable, "-c", "import sys; sys.exit(3)"])

@@ -188,7 +188,7 @@ def _map_section(course: dict[str, Any], figures: Path, course_map: Path | None)
     for track in course["tracks"]:
         quick, full = cm.total(track["lessons"], course["lessons"])
         out.append(f'<div class="track" id="track-{html.escape(track["id"])}"><h3>{_inline(track["name"])}</h3>'
-                   f'<p>If {_inline(track["goal"])}: {len(track["lessons"])} lessons, about {cm.duration(quick)} '
+                   f'<p>If {_inline(track["goal"])}: {len(track["lessons"])} lessons, run time about {cm.duration(quick)} '
                    f'in quick mode, {cm.duration(full)} at full size.</p>')
         if track.get("assumes"):
             named = ", ".join(f'<a href="#lesson-{n}">{n}</a> ({_inline(by[n].short)})' for n in track["assumes"]
@@ -196,7 +196,8 @@ def _map_section(course: dict[str, Any], figures: Path, course_map: Path | None)
             out.append(f"<p class=\"meta\">It assumes {named}, from another track.</p>")
         out.append("<ol>" + "".join(
             f'<li><a href="#lesson-{n}">{n} · {_inline(by[n].short)}</a> <span class="meta">'
-            f'{cm.duration(by[n].quick_s)} quick, {cm.duration(by[n].full_s)} full; {_needs(course, by[n].needs)}'
+            f'run time {cm.duration(by[n].quick_s)} quick, {cm.duration(by[n].full_s)} full; '
+            f'{_needs(course, by[n].needs)}'
             f'</span></li>' for n in track["lessons"]) + "</ol></div>")
     off = [l for l in course["lessons"] if not any(l.number in t["lessons"] for t in course["tracks"])]
     if off:
@@ -214,7 +215,7 @@ def _meta(course: dict[str, Any], notebook: Path) -> str:
     cm = course["cm"]
     on = [re.sub(r"^The ", "the ", t["name"]) for t in course["tracks"] if info.number in t["lessons"]]
     ran = lesson_seconds(notebook)
-    bits = [f"about {cm.duration(info.quick_s)} in quick mode, {cm.duration(info.full_s)} at full size",
+    bits = [f"run time about {cm.duration(info.quick_s)} in quick mode, {cm.duration(info.full_s)} at full size",
             _needs(course, info.needs), ("on " + " and ".join(_inline(n) for n in on)) if on else "on no track"]
     if ran is not None:
         bits.append(f"ran in {ran:.0f} s for this page")

@@ -1,11 +1,11 @@
 """The course map: the lessons as a graph of prerequisites, read from their own headers, and tracks through it.
 
     python tools/coursemap.py            # the tracks and their times, and any problem with the map, printed
-    python tools/coursemap.py --write    # writes notebooks/README.md and notebooks/course_map.png
+    python tools/coursemap.py --write    # writes notebooks/README.md, notebooks/course_map.png, the lessons' Next lines
     python tools/coursemap.py --check    # exit status 1 when a problem is found or either file is stale
 
 Each lesson's first cell is its header: "# NN · Title", then "**You need**: lesson 00 (...) and lesson 04 (...)"
-and "**Time**: about 10 s in quick mode, 20 s at full size". Every two-digit number on the "You need" line is a
+and "**Run time**: about 10 s in quick mode, 20 s at full size". Every two-digit number on the "You need" line is a
 prerequisite ("lessons 03 to 05" names three). The tracks are in notebooks/tracks.json: lessons in reading order,
 each prerequisite earlier on the track or named in the track's "assumes" (read on another track).
 
@@ -76,7 +76,7 @@ def seconds(amount: str, unit: str) -> float:
 
 
 def times(header: str) -> tuple[float | None, float | None]:
-    """(quick, full) seconds from "**Time**: about 10 s in quick mode, 1.5 min at full size"."""
+    """(quick, full) seconds from "**Run time**: about 10 s in quick mode, 1.5 min at full size"."""
     quick = re.search(r"([\d.]+)\s*(s|sec|min)\w*\s+in quick mode", header)
     full = re.search(r"([\d.]+)\s*(s|sec|min)\w*\s+at full size", header)
     return (seconds(*quick.groups()) if quick else None, seconds(*full.groups()) if full else None)
@@ -238,14 +238,15 @@ def readme(lessons: list[Lesson], tracks: list[dict]) -> str:
            "The lessons are numbered in the order of the articles they test, which is not the order a learner "
            "needs. Below, each lesson's prerequisites are the lessons its header names under \"You need\"; an "
            "arrow goes from a prerequisite to the lesson that needs it, and lessons are laid out left to right by "
-           "how long a chain of prerequisites comes before them. Times are the headers' own, measured on a "
-           "2-core laptop.", "",
+           "how long a chain of prerequisites comes before them. The times are run times, the headers' own: "
+           "how long the cells take to run on a 2-core laptop, not how long a lesson takes to study (reading, "
+           "predicting and the exercises take longer).", "",
            "![The lessons as a graph of prerequisites, coloured by track](course_map.png)", "",
            f"<!-- {DIGEST_KEY}: {digest(lessons, tracks)} -->", "", "## Where to start", ""]
     for track in tracks:
         quick, full = total(track["lessons"], lessons)
-        out.append(f"- **{track['name']}** ({len(track['lessons'])} lessons, about {duration(quick)} in quick mode, "
-                   f"{duration(full)} at full size), if {track['goal']}.")
+        out.append(f"- **{track['name']}** ({len(track['lessons'])} lessons, run time about {duration(quick)} in "
+                   f"quick mode, {duration(full)} at full size), if {track['goal']}.")
     off = [l for l in lessons if not on[l.number]]
     if off:
         out.append(f"- On no track: {', '.join(f'{l.number} ({l.short})' for l in off)}. Open each once its "
@@ -253,26 +254,27 @@ def readme(lessons: list[Lesson], tracks: list[dict]) -> str:
     for track in tracks:
         quick, full = total(track["lessons"], lessons)
         out += ["", f"## {track['name']}", "",
-                f"For when {track['goal']}. {len(track['lessons'])} lessons, about {duration(quick)} in quick "
-                f"mode, {duration(full)} at full size.", ""]
+                f"For when {track['goal']}. {len(track['lessons'])} lessons, run time about {duration(quick)} in "
+                f"quick mode, {duration(full)} at full size.", ""]
         if track.get("assumes"):
             aq, af = total(track["assumes"], lessons)
             named = ", ".join(f"{n} ({by[n].short})" for n in track["assumes"] if n in by)
-            out += [f"It assumes lessons from another track: {named}; about {duration(aq)} more in quick mode, "
-                    f"{duration(af)} at full size.", ""]
+            out += [f"It assumes lessons from another track: {named}; run time about {duration(aq)} more in quick "
+                    f"mode, {duration(af)} at full size.", ""]
         for i, n in enumerate(track["lessons"], 1):
             l = by.get(n)
             if l is None:
                 out.append(f"{i}. lesson {n} (missing)")
                 continue
-            out.append(f"{i}. [{l.number} · {l.short}]({l.file}): {duration(l.quick_s)} quick, "
+            out.append(f"{i}. [{l.number} · {l.short}]({l.file}): run time {duration(l.quick_s)} quick, "
                        f"{duration(l.full_s)} full; needs {_needs(l)}")
-    out += ["", "## Every lesson", "", "| lesson | needs | needed by | quick | full | tracks |", "|---|---|---|---|---|---|"]
+    out += ["", "## Every lesson", "", "| lesson | needs | needed by | run time, quick | run time, full | tracks |", "|---|---|---|---|---|---|"]
     for l in lessons:
         out.append(f"| [{l.number} · {l.short}]({l.file}) | {_needs(l)} | {', '.join(needed_by[l.number]) or '-'} | "
                    f"{duration(l.quick_s)} | {duration(l.full_s)} | {', '.join(on[l.number]) or '-'} |")
     quick, full = total([l.number for l in lessons], lessons)
-    out += ["", f"All {len(lessons)} lessons: about {duration(quick)} in quick mode, {duration(full)} at full size.", ""]
+    out += ["", f"All {len(lessons)} lessons: run time about {duration(quick)} in quick mode, {duration(full)} at full "
+                f"size.", ""]
     return "\n".join(out)
 
 
@@ -348,7 +350,7 @@ def draw(lessons: list[Lesson], tracks: list[dict], path: Path) -> None:
     fig.legend(handles=legend, loc="upper center", ncol=4, frameon=False, fontsize=9)
     fig.text(0.01, 0.01, f"An arrow: the lesson on its right names the one on its left under \"You need\". "
              f"An arrow a longer path implies is left out\n(notebooks/README.md lists them all). Columns: the longest "
-             f"chain of prerequisites before a lesson. Corner: its time in quick mode. "
+             f"chain of prerequisites before a lesson. Corner: its run time in quick mode. "
              f"Drawn by `{COMMAND}`.", fontsize=7, color="#555555")
     fig.savefig(path, format="png", metadata={"Software": None, DIGEST_KEY: digest(lessons, tracks),
                                               "Comment": f"generated by {COMMAND}"})
@@ -369,6 +371,74 @@ def png_text(path: Path) -> dict[str, str]:
     return out
 
 
+# --- each lesson's last line: where to go next ---------------------------------------------------------------
+
+NEXT = "**Next:**"
+
+
+def next_line(number: str, lessons: list[Lesson], tracks: list[dict]) -> str:
+    """The line a lesson ends with, from the tracks: the lesson after it on each track that holds it,
+    next_line("00", ...) -> "**Next:** [02 · Backends and bandwidth](02_backends_and_bandwidth.ipynb) on the
+    practitioner's track and the systems builder's track."."""
+    by = {l.number: l for l in lessons}
+    link = lambda n: f"[{n} · {by[n].short}]({by[n].file})"  # noqa: E731
+    name = lambda t: re.sub(r"^The ", "the ", t["name"])  # noqa: E731
+    after: dict[str, list[str]] = {}
+    last: list[str] = []
+    for track in tracks:
+        order = track["lessons"]
+        if number in order:
+            i = order.index(number)
+            (after.setdefault(order[i + 1], []) if i + 1 < len(order) else last).append(name(track))
+    parts = [f"{link(n)} on {' and '.join(names)}" for n, names in after.items() if n in by]
+    parts += [f"this is the last lesson of {t}: the [course map](README.md) shows the other track" for t in last]
+    if not parts:
+        return f"{NEXT} this lesson is on no track: the [course map](README.md) shows where each lesson leads."
+    return f"{NEXT} " + "; ".join(parts) + "."
+
+
+def last_cell_source(nb: dict) -> str:
+    source = nb["cells"][-1].get("source", "") if nb.get("cells") else ""
+    return "".join(source) if isinstance(source, list) else source
+
+
+def with_next(text: str, line: str) -> str:
+    """A last markdown cell's text with its Next line replaced (or added, after a blank line)."""
+    kept = [l for l in text.rstrip("\n").split("\n") if not l.startswith(NEXT)]
+    while kept and not kept[-1].strip():
+        kept.pop()
+    return "\n".join(kept + ["", line])
+
+
+def write_next(folder: Path = NOTEBOOKS) -> list[str]:
+    """Give every lesson's last (markdown) cell its Next line; returns the files changed."""
+    lessons, tracks = read_lessons(folder), load_tracks(folder / "tracks.json")
+    changed = []
+    for l in lessons:
+        path = folder / l.file
+        nb = json.loads(path.read_text(encoding="utf-8"))
+        text = last_cell_source(nb)
+        new = with_next(text, next_line(l.number, lessons, tracks))
+        if new != text:
+            nb["cells"][-1]["source"] = new.splitlines(keepends=True)
+            path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+            changed.append(l.file)
+    return changed
+
+
+def stale_next(folder: Path = NOTEBOOKS) -> list[str]:
+    """The lessons whose last cell does not end with the Next line the tracks give ([] when all do)."""
+    lessons, tracks = read_lessons(folder), load_tracks(folder / "tracks.json")
+    out = []
+    for l in lessons:
+        nb = json.loads((folder / l.file).read_text(encoding="utf-8"))
+        cell = nb["cells"][-1] if nb.get("cells") else {}
+        want = next_line(l.number, lessons, tracks)
+        if cell.get("cell_type") != "markdown" or last_cell_source(nb).rstrip().split("\n")[-1] != want:
+            out.append(f"lesson {l.number}: its last cell should end with {want!r}: run `{COMMAND}`")
+    return out
+
+
 def stale(folder: Path = NOTEBOOKS) -> list[str]:
     """Which generated files do not match the headers and tracks now ([] when both are current)."""
     lessons, tracks = read_lessons(folder), load_tracks(folder / "tracks.json")
@@ -379,12 +449,13 @@ def stale(folder: Path = NOTEBOOKS) -> list[str]:
     figure = folder / "course_map.png"
     if not figure.exists() or png_text(figure).get(DIGEST_KEY) != digest(lessons, tracks):
         out.append(f"{figure.name} is stale: run `{COMMAND}`")
-    return out
+    return out + stale_next(folder)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--write", action="store_true", help="write notebooks/README.md and notebooks/course_map.png")
+    parser.add_argument("--write", action="store_true", help="write notebooks/README.md, notebooks/course_map.png "
+                        "and each lesson's Next line")
     parser.add_argument("--check", action="store_true", help="exit 1 when the map has a problem or is stale")
     parser.add_argument("--notebooks", type=Path, default=NOTEBOOKS)
     args = parser.parse_args(argv)
@@ -395,7 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         (args.notebooks / "README.md").write_text(readme(lessons, tracks))
         draw(lessons, tracks, args.notebooks / "course_map.png")
-        print(f"wrote {args.notebooks / 'README.md'} and {args.notebooks / 'course_map.png'}")
+        changed = write_next(args.notebooks)
+        print(f"wrote {args.notebooks / 'README.md'} and {args.notebooks / 'course_map.png'}"
+              + (f"; the Next line of {len(changed)} lessons" if changed else ""))
     for track in tracks:
         quick, full = total(track["lessons"], lessons)
         print(f"{track['name']}: {' '.join(track['lessons'])} ({duration(quick)} quick, {duration(full)} full)"

@@ -12,7 +12,8 @@ yours for free); `ring.rank` and `ring.size`. After `step` shifts a rank holds t
 Your function returns this rank's rows of the output.
 
 What is checked, on 2 and 4 ranks, causal, each rank against one process's attention (forward and q/k/v gradients):
-    runs        every rank finished (a shift that not every rank makes hangs: reported, bounded by a timeout)
+    runs        every rank finished (a shift that not every rank makes hangs, and so does a shift whose output
+                a rank never used: its backward never runs there; reported, bounded by a timeout, with that cause)
     probes      contiguous and zigzag splits; a non-causal probe; logits of a few thousand
     mistakes    told apart from what each rank got: rank 0's output right and the others' wrong under the
                 contiguous split (rank 0 uses its own block only, so the merge of several blocks is wrong);
@@ -38,6 +39,12 @@ from .report import Report
 TOLERANCE = 1e-4            # float32, the largest output or gradient difference allowed (a right merge: about 1e-6)
 SHAPE = (1, 2, 16, 8)       # batch, heads, sequence, head_dim
 LARGE = 60.0                # q and k scaled so that logits reach a few thousand
+# A natural loop's hang: under the causal mask a rank's last block can be hidden whole (ring.block gives None), so
+# the K and V of the last shift never reach its output; autograd then never runs that shift's backward there, while
+# the ranks that used theirs wait for its gradient.
+LAST_SHIFT = ("In ring attention the likeliest cause: a rank whose last block the mask hides (ring.block gave None) "
+              "never used the last shift's K and V, so its backward never sends their gradient to the ranks waiting "
+              "for it. Tie them into the output (out + 0 * kv.sum()), or do not shift after the last block.")
 
 
 @dataclasses.dataclass
@@ -110,7 +117,8 @@ def check_ring(attention: Callable, *, worlds: tuple[int, ...] = (2, 4), timeout
     results = {}
     for world in worlds:
         got = run_checked(report, functools.partial(drive_ring, attention=attention), world_size=world,
-                          timeout=timeout, name=f"check-{name}-w{world}", runs_root=runs_root)
+                          timeout=timeout, name=f"check-{name}-w{world}", runs_root=runs_root,
+                          hang_hint=LAST_SHIFT)
         if got is None:
             return report
         results[world] = got

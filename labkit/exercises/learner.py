@@ -51,21 +51,23 @@ def read_error(run_dir: Path) -> dict[str, Any] | None:
 
 
 def run_checked(report: Report, drive: Any, *, world_size: int, timeout: float, name: str,
-                runs_root: Any) -> list[Any] | None:
+                runs_root: Any, hang_hint: str = "") -> list[Any] | None:
     """Launch a checker's `drive` function on `world_size` ranks and return what each rank returned, or None when a
-    rank failed (the report then says which part of the learner's code raised, hung or is not written yet)."""
+    rank failed (the report then says which part of the learner's code raised, hung or is not written yet;
+    `hang_hint`, the exercise's own likeliest cause of a hang, is added to a hang's line)."""
     try:
         run = launch(drive, world_size=world_size, timeout=timeout, echo=False, progress=False, name=name,
                      runs_root=runs_root)
     except RankFailure as failure:
-        report_failure(report, failure)
+        report_failure(report, failure, hang_hint)
         return None
     report.run_dir = run.path
     return [run.result(rank) for rank in range(world_size)]
 
 
-def report_failure(report: Report, failure: RankFailure) -> Report:
-    """A run that did not finish: say which part of the learner's code is missing, raised, or hung."""
+def report_failure(report: Report, failure: RankFailure, hang_hint: str = "") -> Report:
+    """A run that did not finish: say which part of the learner's code is missing, raised, or hung (and, for a hang,
+    `hang_hint`: what most often causes one in this exercise)."""
     report.run_dir = failure.run_dir
     error = read_error(failure.run_dir)
     step = lambda e: f" at step {e['step']}" if e["step"] >= 0 else ""  # noqa: E731
@@ -80,7 +82,8 @@ def report_failure(report: Report, failure: RankFailure) -> Report:
     elif failure.reason == "hung":
         report.add("runs", "fail", f"rank {failure.rank} made no progress{step({'step': failure.step})}: "
                                    f"{failure.detail}. A collective that not every rank made (same ops, same "
-                                   "order, same sizes on all ranks) waits forever.")
+                                   "order, same sizes on all ranks) waits forever." + (f" {hang_hint}" if hang_hint
+                                                                                         else ""))
     else:
         report.add("runs", "fail", f"rank {failure.rank} {failure.reason}: {failure.detail}")
     return report

@@ -176,6 +176,15 @@ def environment(run_dir: RunDir) -> dict[str, str]:
     return env
 
 
+def unwatched_environment() -> dict[str, str]:
+    """This process's environment with labkit watch taken out: no sitecustomize of labkit's on PYTHONPATH and no run
+    directory, so a job started with it runs as it would without labkit (no agent in its ranks)."""
+    env = {k: v for k, v in os.environ.items() if k not in (agent.DIR_ENV, agent.OWNER_ENV)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                        if p and Path(p).resolve() != SITE_DIR.resolve())
+    return env
+
+
 def check_timeouts(timeout: float, startup_timeout: float) -> None:
     """LaunchError (one line) unless both are seconds > 0."""
     for name, value in (("--timeout", timeout), ("--startup-timeout", startup_timeout)):

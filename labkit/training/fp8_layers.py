@@ -21,9 +21,9 @@ their names and the state dict stay exactly as they were (checkpoints, DDP's buc
 difference), and print(model) shows which layers are FP8.
 
 fp8_engine "torchao" hands the nn.Linear candidates to torchao instead (torchao.float8.convert_to_float8_training:
-its Float8Linear, whose matmuls are real torch._scaled_mm calls on FP8 tensors, on this CPU too). torchao's
-tensorwise and rowwise recipes are labkit's "tensor" and "row" scalings; the other candidates (GPT-2's Conv1D,
-the routed experts) are not nn.Linear and keep labkit's simulation of the same recipe.
+its Float8Linear, whose matmuls are torch._scaled_mm calls on FP8 tensors: FP8 GEMMs on a GPU, emulated in fp32 by
+torch on a CPU without AMX). torchao's tensorwise and rowwise recipes are labkit's "tensor" and "row" scalings; the
+other candidates (GPT-2's Conv1D, the routed experts) are not nn.Linear and keep labkit's simulation of the same recipe.
 """
 from __future__ import annotations
 

@@ -4,6 +4,7 @@
     cpx.draw_splits(16, 2)                        # who holds which queries, and the causal pairs each computes
     got = cpx.every_method(world=2)               # the tiny GPT-2, every method x split, against one process
     cpx.worst(got, "logits"), cpx.bytes_match(got), cpx.pairs_match(got)
+    cpx.scores_table(got)                         # the scores each rank computed, masked ones included: its work
     timed = cpx.split_timing(1024)                # a metered launch: ring attention, contiguous vs zigzag
     claims.gated("zigzag's step is faster", cpx.zigzag_is_faster(), timed)   # on a machine quiet and steady enough
     claims.not_checked("zigzag's step is faster", cpx.split_timing_unchecked(timed))   # lesson 23, on 2 vCPUs
@@ -32,7 +33,7 @@ from ..training.parallel import context as cp
 from ..training.parallel import context_model as cpm
 
 __all__ = ["positions", "causal_pairs", "reference", "Traffic", "tiny_gpt2", "draw_splits", "every_method", "worst",
-           "expected_bytes", "traffic_table", "bytes_match", "pairs_table", "pairs_counted", "pairs_match",
+           "expected_bytes", "traffic_table", "bytes_match", "pairs_table", "scores_table", "pairs_counted", "pairs_match",
            "activation_runs", "tokens_per_rank", "act_bytes_per_rank", "loss_gap", "cp_pairs_table", "tiny_layout",
            "CODES", "split_timing", "split_timing_unchecked", "zigzag_is_faster",
            "zigzag_is_slower_whole"]
@@ -90,6 +91,7 @@ def _one_method(ctx: Any, reference: Any, ids: torch.Tensor, targets: torch.Tens
     pos = cp.positions(ids.shape[1], ctx.rank, ctx.world_size, split)
     logits = model(input_ids=ids[:, pos], position_ids=pos.expand(ids.shape[0], -1)).logits
     sent, pairs, skipped = traffic.bytes_sent, traffic.pairs, traffic.blocks_skipped   # forward only
+    scores = traffic.scores
     # This rank's share of the mean over every token of the whole batch: the sum over ranks is one process's loss.
     loss = _loss_sum(logits, targets[:, pos]) / ids.numel()
     loss.backward()
@@ -98,7 +100,7 @@ def _one_method(ctx: Any, reference: Any, ids: torch.Tensor, targets: torch.Tens
         dist.all_reduce(p.grad)          # what DDP's all-reduce (without the division) would hand every rank
         grads.append((p.grad - ref_grads[name]).abs().max().item())
     return {"logits": (logits - ref_logits[:, pos]).abs().max().item(), "grads": max(grads), "sent": sent,
-            "pairs": pairs, "skipped": skipped}
+            "pairs": pairs, "scores": scores, "skipped": skipped}
 
 
 def _every_method_rank(ctx: Any, seq_len: int) -> dict[str, Any]:
@@ -167,6 +169,16 @@ def pairs_table(got: dict[str, Any], method: str = "ring") -> pd.DataFrame:
     factor = BATCH * HEADS * LAYERS
     table["counted / formula"] = [list(table.loc[s]) == [factor * p for p in cp.causal_pairs(got["seq_len"],
                                   got["world"], s)] for s in table.index]
+    table["slowest / fair"] = table.iloc[:, :got["world"]].max(1) / table.iloc[:, :got["world"]].mean(1)
+    return table
+
+
+def scores_table(got: dict[str, Any], method: str = "ring") -> pd.DataFrame:
+    """The scores each rank computed per split (the pairs the mask allows and the masked ones computed beside them,
+    in the blocks it did not skip whole: its work), as the ranks counted them, and the slowest rank's over the mean."""
+    rows = got["rows"][got["rows"].method == method]
+    table = rows.pivot(index="split", columns="rank", values="scores")
+    table.columns = [f"rank {r}" for r in table.columns]
     table["slowest / fair"] = table.iloc[:, :got["world"]].max(1) / table.iloc[:, :got["world"]].mean(1)
     return table
 

@@ -6,6 +6,7 @@ Left out, a pair's copies of it drift apart while every loss still falls.
     trap = deepseek_rope.rope_trap(steps=4)            # ZeRO-3 + TP with the sum left out, on real ranks
     deepseek_rope.pair_disagreement(trap)              # > 0: the two ranks of a TP pair no longer agree
     deepseek_rope.pair_disagreement(runs["ZeRO-3 + TP"])   # 0.0 with the sum in place
+    deepseek_rope.ROPE_SOURCE                           # "kv_a_proj_with_mqa": the module whose outputs hold the key
 """
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from typing import Any
 
 from ..records import Run
 from ..run.launch import launch
+from ..training.parallel.moe_tp import ROPE_SOURCE
 from .deepseek import lesson_config
 
-__all__ = ["without_rope_sum", "rope_trap", "pair_disagreement"]
-
+__all__ = ["ROPE_SOURCE", "without_rope_sum", "rope_trap", "pair_disagreement"]
 
 
 def without_rope_sum(ctx: Any) -> None:

@@ -132,7 +132,7 @@ def torchao_check(steps: int = 8, lr: float = 1e-2, seed: int = 0) -> pd.DataFra
     """In this process, per recipe of TORCHAO_RECIPES: the tiny DeepSeek-V3 trained `steps` AdamW steps twice from
     the same weights on the same batches, its nn.Linear layers once as torchao's Float8Linear (fp8_engine "torchao")
     and once in labkit's simulation of the same recipe (the routed experts in labkit's simulation both times).
-    One row per recipe: the layers torchao converted, the torch._scaled_mm calls one step made in each (counted by
+    One row per recipe: the layers that became torchao's Float8Linear (counted on the model), the torch._scaled_mm calls one step made in each (counted by
     torch.profiler), each run's first and last loss, and the largest relative gap between the two runs' losses
     (every step) and gradients (every parameter, first step). attrs["losses"]: {recipe: {engine: [loss per step]}};
     attrs["layers"]: the converted layers' names and classes. Raises ModuleNotFoundError without torchao."""
@@ -145,7 +145,9 @@ def torchao_check(steps: int = 8, lr: float = 1e-2, seed: int = 0) -> pd.DataFra
         ours, theirs = runs["labkit"], runs["torchao"]
         losses[recipe] = {engine: run["losses"] for engine, run in runs.items()}
         layers = theirs["classes"]
-        rows.append({"recipe": recipe, **fields, "torchao_layers": len(theirs["torchao"]),
+        # counted on the trained model, not from the names labkit asked torchao to convert
+        converted = sum(1 for kind in theirs["classes"].values() if kind == "Float8Linear")
+        rows.append({"recipe": recipe, **fields, "torchao_layers": converted,
                      "scaled_mm_per_step": theirs["scaled_mm"], "labkit_scaled_mm": ours["scaled_mm"],
                      "loss_first": theirs["losses"][0], "loss_last": theirs["losses"][-1],
                      "loss_gap": max(abs(a - b) / abs(b) for a, b in zip(theirs["losses"], ours["losses"])),

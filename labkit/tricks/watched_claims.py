@@ -2,6 +2,9 @@
 
     watched_claims.line_of(plain_ddp, "dist.barrier()  # ...and")   # 'plain_ddp.py:60': where a line of a script is
     watched_claims.printed_losses(run)      # the losses the script printed itself, parsed from the job's output
+    watched_claims.unwatched(command)       # the losses the same command prints run without labkit watch
+    watched_claims.step_ids(run)            # {rank: [the steps it recorded]}
+    watched_claims.collective_ids(run)      # rank, step, seq, op: each collective the Flight Recorder saw, per step
     monitor.loss_gap(a, b)                  # (lesson 11's) the largest loss difference per rank and step, inf if keys differ
     watched_claims.first_difference(a, b)   # the first step whose loss differs on some rank (None: none differs)
     watched_claims.reported_within(m, limit)   # gated: the hang was reported within `limit` s of the last step
@@ -13,13 +16,15 @@ from __future__ import annotations
 
 import inspect
 import re
+import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import pandas as pd
 
 from ..measure import above, below
 from ..records import Run, read_meta
+from ..run.watch import resolve, unwatched_environment
 from ..rundir import RunDir
 
 # Not anchored to whole lines: under PYTHONUNBUFFERED, print writes its text and its newline apart, so two ranks'
@@ -38,9 +43,36 @@ def line_of(module: Any, text: str) -> str:
 
 def printed_losses(run: Run) -> pd.DataFrame:
     """rank, step, loss: the lines "rank R step S loss L" the script printed, read from the job's output."""
-    text = RunDir(run.path).job_output.read_text(errors="replace")
+    return _parse(RunDir(run.path).job_output.read_text(errors="replace"))
+
+
+def _parse(text: str) -> pd.DataFrame:
     rows = [(int(r), int(s), float(v)) for r, s, v in PRINTED.findall(text)]
     return pd.DataFrame(rows, columns=["rank", "step", "loss"]).sort_values(["rank", "step"], ignore_index=True)
+
+
+def unwatched(command: Sequence[str], timeout: float = 120.0) -> pd.DataFrame:
+    """rank, step, loss: the lines "rank R step S loss L" that `command` printed, run as it is, without labkit watch
+    (no agent in its ranks), e.g. unwatched(["torchrun", "--nproc-per-node", "2", "plain_ddp.py"]). A command that
+    fails raises RuntimeError with the end of its stderr."""
+    done = subprocess.run(resolve(command), env=unwatched_environment(), capture_output=True, text=True,
+                          timeout=timeout, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {done.returncode} unwatched:\n{done.stderr[-2000:]}")
+    return _parse(done.stdout)
+
+
+def step_ids(run: Run) -> dict[int, list[int]]:
+    """{rank: the optimizer steps it recorded, in order}."""
+    return {int(r): sorted(int(s) for s in steps) for r, steps in run.df.groupby("rank")["step"]}
+
+
+def collective_ids(run: Run) -> pd.DataFrame:
+    """rank, step, seq, op: every collective each rank's Flight Recorder saw, by the step that recorded it (op as
+    gloo names it: "all_reduce", "broadcast"...)."""
+    rows = [{"rank": int(r.rank), "step": int(r.step), "seq": int(a[0]), "op": str(a[1]).split(":")[-1]}
+            for r in run.df.itertuples() if isinstance(getattr(r, "arrivals", None), list) for a in r.arrivals]
+    return pd.DataFrame(rows, columns=["rank", "step", "seq", "op"])
 
 
 def _losses(source: Run | pd.DataFrame) -> pd.Series:
