@@ -3,7 +3,7 @@ every field is valid on its own; each returns sentences naming the fields to cha
 
     batch_problems(RunConfig(global_batch=30, world_size=4))   # ["RunConfig.global_batch = 30: does not split ..."]
     pipeline_problems(cfg), strategy_problems(cfg), schedule_problems(cfg), expert_problems(cfg), fp8_problems(cfg)
-    sequence_parallel_problems(cfg)   # (strategy_problems calls it); context_problems(cfg)
+    sequence_parallel_problems(cfg), recompute_problems(cfg)   # (strategy_problems calls both); context_problems
 
 The field-by-field rules (types, ranges) and the choices each field offers are in rules.py.
 """
@@ -81,7 +81,8 @@ def schedule_problems(config: Any) -> list[str]:
 
 def strategy_problems(config: Any) -> list[str]:
     """What the chosen strategy cannot do with the other fields (mesh shape, task, precision, comm hook)."""
-    out, field = sequence_parallel_problems(config), f"RunConfig.strategy = {config.strategy!r}"
+    out = sequence_parallel_problems(config) + recompute_problems(config)
+    field = f"RunConfig.strategy = {config.strategy!r}"
     if config.pipeline_zero1 and (config.strategy != "pp" or config.pipeline_dims[0] < 2):
         out.append(f"RunConfig.pipeline_zero1 = True: shards the optimizer state over each pipeline stage's data-"
                    f"parallel ranks, so it needs strategy 'pp' with world_size / pipeline_ranks >= 2 (here "
@@ -106,6 +107,26 @@ def strategy_problems(config: Any) -> list[str]:
     if config.strategy != "zero1" and config.comm_hook != "allreduce":
         out.append(f"{field}: RunConfig.comm_hook = {config.comm_hook!r} is a DDP comm hook; only 'ddp' and "
                    "'zero1' use DDP: leave comm_hook at 'allreduce'")
+    return out
+
+
+def recompute_problems(config: Any) -> list[str]:
+    """Activation recomputation wraps GPT-2's blocks (training/parallel/recompute.py): tinylm only, and not under a
+    pipeline (its stages are cut from the blocks) or context parallelism (its attention is replaced in place),
+    neither of which has been tried with it."""
+    if config.recompute == "none":
+        return []
+    where = f"RunConfig.recompute = {config.recompute!r}"
+    if config.task != "tinylm":
+        return [f"{where}: recomputes tinylm's GPT-2 blocks; RunConfig.task = {config.task!r} has none here; leave "
+                "recompute at 'none'"]
+    out = []
+    if config.strategy == "pp":
+        out.append(f"{where}: not with RunConfig.strategy = 'pp' (a stage holds a cut of the blocks); use 'ddp', "
+                   "'zero1', 'zero2', 'fsdp', 'tp' or 'fsdp+tp'")
+    if config.context_parallel > 1:
+        out.append(f"{where}: not with RunConfig.context_parallel = {config.context_parallel}; leave one of them "
+                   "at its default")
     return out
 
 

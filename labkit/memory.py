@@ -75,7 +75,7 @@ def activation_bytes(*, seq: int, batch: int, hidden: int, heads: int, layers: i
                      value_bytes: float = 2, dropout: bool = True, scores: bool = True, whole_values: float = 4,
                      split_values: float = 12, outside_values: float = 0, norm_stats: bool = False,
                      sequence_parallel: bool = False, gathered_values: float = 0,
-                     outside_gathered_values: float = 0) -> float:
+                     outside_gathered_values: float = 0, recompute: str = "none") -> float:
     """Bytes of activations one rank keeps for backward (Korthikanti et al. 2022, see the module docstring):
     activation_bytes(seq=2048, batch=1, hidden=12288, heads=96) is 34·s·b·h + 5·a·s²·b, the paper's layer;
     with sequence_parallel=True and tp=t, s·b·h·34/t + 5·a·s²·b/t (everything split).
@@ -92,6 +92,11 @@ def activation_bytes(*, seq: int, batch: int, hidden: int, heads: int, layers: i
     gathered_values per layer (the all-gathered inputs of the column-wise layers, where they are saved for
     backward rather than gathered again: torch's DTensor saves them, 2; Megatron-LM gathers again, the paper's 0)
     and outside_gathered_values (the LM head's gathered input, 1 where the head is not split).
+
+    recompute: "none"; "selective" (the attention core is recomputed: no s x s scores, no log-sum-exp kept, the
+    paper's 34·s·b·h per layer); "full" (each layer keeps its input only, s·b·h values, split along the sequence
+    under sequence parallelism; the paper's table writes 2·s·b·h·L, Megatron-LM's input being replicated there).
+    What is kept outside the layers stays.
     """
     for name, value in (("seq", seq), ("batch", batch), ("hidden", hidden), ("heads", heads), ("layers", layers),
                         ("tp", tp)):
@@ -104,13 +109,17 @@ def activation_bytes(*, seq: int, batch: int, hidden: int, heads: int, layers: i
         raise ValueError(f"gathered_values = {gathered_values!r}, outside_gathered_values = "
                          f"{outside_gathered_values!r}: each is a part of whole_values = {whole_values!r} and "
                          f"outside_values = {outside_values!r}, so between 0 and those")
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute = {recompute!r}: must be 'none', 'selective' or 'full'")
     sbh, positions = seq * batch * hidden, seq * batch
     sp = tp if sequence_parallel else 1  # what sequence parallelism divides; tensor parallelism alone keeps it whole
     kept = gathered_values if sequence_parallel else whole_values
     per_layer = (kept + (whole_values - kept) / sp) * sbh * value_bytes + split_values * sbh * value_bytes / tp
     if dropout:
         per_layer += 2 * sbh / sp  # one-byte masks after attention and after the MLP
-    if scores:  # softmax output and dropout output (values), and the dropout mask (one byte)
+    if recompute == "selective":
+        pass  # the attention core is computed again in backward: neither scores nor a log-sum-exp are kept
+    elif scores:  # softmax output and dropout output (values), and the dropout mask (one byte)
         per_layer += heads * seq * positions * (2 * value_bytes + (1 if dropout else 0)) / tp
     else:
         per_layer += heads * positions * 4 / tp
@@ -119,6 +128,8 @@ def activation_bytes(*, seq: int, batch: int, hidden: int, heads: int, layers: i
     if norm_stats:
         per_layer += 2 * 2 * positions * 4 / sp
         outside += 2 * positions * 4 / sp
+    if recompute == "full":
+        per_layer = sbh * value_bytes / sp  # the layer's input: everything else is computed again in backward
     return layers * per_layer + outside
 
 

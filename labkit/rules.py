@@ -44,6 +44,7 @@ FP8_ENGINES = ("labkit", "torchao")  # who computes the nn.Linear layers' FP8 ma
 FP8_FORMATS = ("e4m3", "e5m2")
 CONTEXT_METHODS = ("ring", "allgather", "ulysses")  # how attention sees the whole sequence (training/parallel/context.py)
 CONTEXT_SPLITS = ("contiguous", "zigzag")  # which positions each context-parallel rank holds
+RECOMPUTE = ("none", "full")  # activation recomputation per transformer block (training/parallel/recompute.py)
 
 
 def is_int(value: Any) -> bool:
@@ -132,5 +133,6 @@ RULES: dict[str, Rule] = {
     "fp8_scaling": one_of(*FP8_SCALINGS), "fp8_tile": integer(0), "fp8_grad_format": one_of(*FP8_FORMATS),
     "fp8_dispatch": boolean, "fp8_engine": one_of(*FP8_ENGINES), "pipeline_zero1": boolean, "sequence_parallel": boolean,
     "context_parallel": integer(1), "context_method": one_of(*CONTEXT_METHODS), "context_split": one_of(*CONTEXT_SPLITS),
+    "recompute": one_of(*RECOMPUTE),
 }
 """The rule each RunConfig field's value must pass; faults are checked by their own shape and ranges (fault.py)."""

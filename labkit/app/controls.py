@@ -16,7 +16,7 @@ import math
 from typing import Any, Callable, Sequence
 
 from ..config import (BACKENDS, BALANCING, CHECKPOINT_FORMATS, COMM_HOOKS, FP8_ENGINES, FP8_FORMATS, FP8_SCALINGS, MODEL_SIZES,
-                      NAN_POLICIES, OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_SHAPES, PRECISIONS,
+                      NAN_POLICIES, OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_SHAPES, PRECISIONS, RECOMPUTE,
                       SCHEDULES, STRATEGIES, TASKS, RunConfig)
 from ..fault import DELAYED, FAULT_KINDS, Fault
 
@@ -149,7 +149,7 @@ CONTROLS: dict[str, Callable[[str, Any], Knob]] = {
     "pipeline_schedule": menu(*PIPELINE_SCHEDULES), "microbatches": menu(1, 2, 4, 8, 16), "stages_per_rank": slider(1, 4),
     "pipeline_ranks": menu(0, 2, 4), "layers": menu(0, 2, 4, 8), "pipeline_shapes": menu(*PIPELINE_SHAPES),
     "fp8_scaling": menu(*FP8_SCALINGS), "fp8_tile": menu(0, 1, 4, 8, 16, 32, 128),
-    "fp8_grad_format": menu(*FP8_FORMATS), "fp8_engine": menu(*FP8_ENGINES),
+    "fp8_grad_format": menu(*FP8_FORMATS), "fp8_engine": menu(*FP8_ENGINES), "recompute": menu(*RECOMPUTE),
 }
 """How each field is controlled; any other field gets a box of its type (by_type)."""
 

@@ -58,10 +58,11 @@ GPT2_SEQUENCE_PARALLEL = {"gathered_values": 2, "outside_gathered_values": 1}
 
 def activation_form(config: RunConfig) -> dict[str, Any]:
     """labkit.memory.activation_bytes' arguments for config's GPT-2 on this CPU, besides its sizes:
-    GPT2_ON_CPU, and with RunConfig.sequence_parallel GPT2_SEQUENCE_PARALLEL too."""
+    GPT2_ON_CPU, with RunConfig.sequence_parallel GPT2_SEQUENCE_PARALLEL too, and RunConfig.recompute."""
+    form = {**GPT2_ON_CPU, "recompute": config.recompute}
     if config.sequence_parallel:
-        return {**GPT2_ON_CPU, "sequence_parallel": True, **GPT2_SEQUENCE_PARALLEL}
-    return dict(GPT2_ON_CPU)
+        return {**form, "sequence_parallel": True, **GPT2_SEQUENCE_PARALLEL}
+    return form
 
 
 def lesson_config(strategy: str, world_size: int, *, steps: int, **fields: Any) -> RunConfig:

@@ -28,6 +28,7 @@ from matplotlib.figure import Figure
 from ..config import RunConfig
 from ..records import Run
 from ..training.parallel.held import SavedTensors
+from ..training.parallel.recompute import recompute_blocks
 from ..training.tasks import make_task
 from ..view import COLORS, new_figure, shown
 from .comm import ring_time
@@ -44,10 +45,12 @@ def saved_by_module(config: RunConfig) -> pd.DataFrame:
     One process, no ranks."""
     task = make_task(config, 1)
     model = task.build_model()
+    recompute_blocks(model, config.recompute)   # RunConfig.recompute: as the loop wraps the blocks
     inputs, targets = task.batch(0, 0, 0)
     with SavedTensors(modules=model) as saved:
         loss = task.loss(model, inputs, targets)   # held while counting: it holds the graph
-    held = [(re.sub(r"\.h\.\d+", ".h.*", name or "(loss)"), size) for name, size in saved.held()]
+    held = [(re.sub(r"\.h\.\d+(\._checkpoint_wrapped_module)?", ".h.*", name or "(loss)"), size)
+            for name, size in saved.held()]
     del loss
     df = pd.DataFrame(held, columns=["module", "bytes"])
     out = df.groupby("module", sort=False).agg(tensors=("bytes", "size"), bytes=("bytes", "sum"))

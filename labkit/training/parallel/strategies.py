@@ -43,6 +43,7 @@ from torch import nn
 from ..commhooks import count_collectives, install_comm_hook, single_bucket_mb
 from .dispatchcount import DispatchCounter
 from .held import StateMeter
+from .recompute import recompute_blocks
 from ..optim import make_optimizer
 from ..tasks import Task, make_task
 from ...config import RunConfig
@@ -167,6 +168,7 @@ def distribute(model: nn.Module, task: Task, config: RunConfig, ctx: RankContext
         return Placement(_ddp(model, config, ctx), optimizer, task, StateMeter(model, optimizer, COUNTED_STEPS),
                          tp=config.context_parallel)
     if config.strategy in ("ddp", "zero1"):
+        recompute_blocks(model, config.recompute)   # before DDP: it registers the (wrapped) parameters
         wrapped = _ddp(model, config, ctx)
         if config.strategy == "ddp":
             optimizer = make_optimizer(config, model.parameters())
@@ -181,6 +183,8 @@ def distribute(model: nn.Module, task: Task, config: RunConfig, ctx: RankContext
     if tp > 1:
         split_blocks(linear_gpt2(model), mesh["tp"] if dp > 1 else mesh, sequence_parallel=config.sequence_parallel)
         task = SharedBatches(make_task(config, dp), tp)
+    # after TP rebuilt the blocks, before fully_shard: FSDP2's hooks stay outside the recomputed region
+    recompute_blocks(model, config.recompute)
     if config.strategy != "tp":
         root = shard_model(model, mesh["dp"] if tp > 1 else mesh, reshard_after_forward=config.strategy != "zero2")
     optimizer = make_optimizer(config, model.parameters())
