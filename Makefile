@@ -27,15 +27,15 @@ lab: install
 
 # Two pytest runs, then one summary (tools/run_summary.py: both runs' counts, the lessons' claims, one verdict; it
 # exits non-zero when either run failed). First the tests and the lessons that make no speed claim, two at a time
-# (pytest-xdist, a file per worker, so a module's shared fixture is made once; the lessons first, the longest items,
-# so that no worker is left with one at the end while the other idles). Then the lessons with speed claims (a `.gated(` call: conftest.py's LABKIT_LESSONS), one at a
+# (pytest-xdist, a file per worker, so a module's shared fixture is made once; conftest.py hands out the lessons
+# first, the longest items, so that no worker is left with one at the end while the other idles). Then the lessons with speed claims (a `.gated(` call: conftest.py's LABKIT_LESSONS), one at a
 # time: a speed claim is checked only on cores nothing else was using, so nothing runs beside them.
 TEST_ENV := LABKIT_QUICK=1 LABKIT_RUNS=$(TEST_RUNS) LABKIT_CLAIMS_LOG=$(TEST_RUNS)/claims.jsonl MPLBACKEND=Agg
 TEST_WORKERS ?= 2
 
 test: install
 	rm -rf $(TEST_RUNS) && mkdir -p $(TEST_RUNS)
-	$(TEST_ENV) LABKIT_LESSONS=untimed $(BIN)/python -m pytest --nbmake notebooks tests --nbmake-timeout=300 \
+	$(TEST_ENV) LABKIT_LESSONS=untimed $(BIN)/python -m pytest tests --nbmake notebooks --nbmake-timeout=300 \
 		-n $(TEST_WORKERS) --dist loadfile -v --durations=15 --junitxml=$(TEST_RUNS)/tests.xml; \
 		echo $$? > $(TEST_RUNS)/tests.rc
 	$(TEST_ENV) LABKIT_LESSONS=timed $(BIN)/python -m pytest --nbmake notebooks --nbmake-timeout=300 -v \

@@ -71,7 +71,11 @@ def timed_lesson(path: Path) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """LABKIT_LESSONS=timed keeps only the lessons with speed claims, untimed only the others (tests stay)."""
+    """LABKIT_LESSONS=timed keeps only the lessons with speed claims, untimed only the others (tests stay). Under
+    pytest-xdist the lessons go first: they are the longest items, and a worker handed one last would leave the other
+    idle (pytest collected tests/ first even when notebooks/ was named first)."""
+    if hasattr(config, "workerinput"):   # an xdist worker: the controller hands items out in its collection's order
+        items.sort(key=lambda item: not str(item.fspath).endswith(".ipynb"))   # stable: each group keeps its order
     which = os.environ.get(LESSONS_ENV, "")
     if not which:
         return
