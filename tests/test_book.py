@@ -141,7 +141,7 @@ def test_the_real_lessons_index_shows_every_track_and_every_lesson(tmp_path):
         assert re.findall(r'<li><a href="#lesson-(\d\d)">', listed) == track["lessons"]
     lessons = sorted(p.name[:2] for p in (ROOT / "notebooks").glob("[0-9]*.ipynb") if not p.name.endswith(".blank.ipynb"))
     assert re.findall(r'<div class="lesson" id="lesson-(\d\d)">', page) == lessons
-    assert page.count('<p class="meta">about ') == len(lessons)
+    assert page.count('<p class="meta">run time about ') == len(lessons)
 
 
 def test_with_a_claims_log_the_index_judges_the_folklore_by_it_and_ends_with_the_glossary(tmp_path):

@@ -60,11 +60,9 @@ ALLOWED: dict[tuple[str, str], str] = {
         "the meter's bound and the floor again, for two ranks (see the one-rank entries)",
     ("05_data_loading", "(pf_table['t_step_ms'] > 0.9 * FLOOR_MS).all()"):
         "the floor again, for the prefetch settings",
-    ("16_build_ddp_yourself", "(rows.first_launch > 1).all()"):
-        "an order of events, not a speed: the naive version starts its all-reduces after backward has returned, "
-        "so the first launch falls after backward's end however busy the cores are",
     ("16_build_ddp_yourself", "naive.first_launch > 1"):
-        "the same order of events, for the learner's naive version",
+        "an order of events, not a speed: the learner's naive version starts its all-reduces after backward has "
+        "returned, so the first launch falls after backward's end however busy the cores are",
     ("05_data_loading", "0.95 * COST_MS <= cpu_ms <= 1.25 * COST_MS"):
         "the sample work's own CPU cost (thread CPU time of one call), which other programs do not change",
 }

@@ -37,9 +37,9 @@ def recompute_blocks(model: nn.Module, how: str) -> int:
     if how == "none":
         return 0
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+    blocks = blocks_of(model)
     # No key/value cache threaded through a block that runs twice: training never reads it.
     model.config.use_cache = False
-    blocks = blocks_of(model)
     for i, block in enumerate(blocks):
         blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     return len(blocks)
