@@ -5,8 +5,7 @@
     cfg = RunConfig.per_rank(batch_per_rank=16, world_size=2)   # same thing, from the per-rank side
     cfg2 = cfg.replace(world_size=1)                            # a validated copy
 
-A bad value is rejected when the config is built, before any process starts, with a message that names
-the field, the value and what is allowed (`ConfigError`, a `ValueError`).
+A bad value is rejected before any process starts, with a message naming the field, the value and what is allowed.
 """
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ from . import constraints
 from .fault import Fault, as_faults, fault_shape
 from .rules import (  # noqa: F401 - the choices are re-exported (labkit.config.V_SCHEDULES): rules.py owns them
     BACKENDS, BALANCING, CHECKPOINT_FORMATS, CONTEXT_METHODS, CONTEXT_SPLITS, COMM_HOOKS, FP8_ENGINES, FP8_FORMATS, FP8_SCALINGS, LAYERS, MODEL_SIZES, NAN_POLICIES,
-    OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_SHAPES, PRECISIONS, RECOMPUTE, SCHEDULES, SINGLE_STAGE_SCHEDULES,
-    STRATEGIES, TASKS,
+    OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_SHAPES, PRECISIONS, SCHEDULES, SINGLE_STAGE_SCHEDULES, STRATEGIES, TASKS,
     RULES, TP_DEGREES, TP_STRATEGIES, V_SCHEDULES, shown)
 
 
@@ -255,9 +253,7 @@ class RunConfig:
     """context_parallel > 1: "contiguous" (rank r: the r-th slice; the causal mask leaves the last rank the most
     work) or "zigzag" (rank r: chunks r and 2N-1-r of 2N, exactly even); seq_len must divide into N or 2N chunks."""
     recompute: str = "none"
-    """Activation recomputation, tinylm: "full" keeps only each GPT-2 block's input for backward and runs the
-    block's forward again there (torch's checkpoint_wrapper, non-reentrant: training/parallel/recompute.py); fewer
-    activation bytes for about a third more matmul FLOPs. Not saving to disk: that is checkpoint_every."""
+    """tinylm: "full" keeps each GPT-2 block's input only, runs its forward again in backward (parallel/recompute.py)."""
 
     def __post_init__(self) -> None:
         # JSON and notebooks hand us lists of dicts; keep the dataclass hashable and typed. What cannot be turned

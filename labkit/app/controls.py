@@ -16,9 +16,10 @@ import math
 from typing import Any, Callable, Sequence
 
 from ..config import (BACKENDS, BALANCING, CHECKPOINT_FORMATS, COMM_HOOKS, FP8_ENGINES, FP8_FORMATS, FP8_SCALINGS, MODEL_SIZES,
-                      NAN_POLICIES, OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_SHAPES, PRECISIONS, RECOMPUTE,
+                      NAN_POLICIES, OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_SHAPES, PRECISIONS,
                       SCHEDULES, STRATEGIES, TASKS, RunConfig)
 from ..fault import DELAYED, FAULT_KINDS, Fault
+from ..rules import RECOMPUTE
 
 LABEL_WIDTH = "120px"
 OFF = "off"  # the menu entry that stands for None (no clipping, no memory budget)
