@@ -41,7 +41,7 @@ def form_problems(lesson: Path) -> list[str]:
     header, text, number = (md[0] if md else ""), "\n\n".join(md), lesson.name[:2]
     problems = []
     for need, pattern in [("You will learn", r"you will learn"), ("You need", r"you need"),
-                          ("Time (quick and full)", r"\btime\b.{0,80}quick.{0,80}full"),
+                          ("Run time (quick and full)", r"\brun time\b.{0,80}quick.{0,80}full"),
                           ("The folklore", r"folklore")]:
         if not re.search(pattern, header, re.I | re.S):
             problems.append(f"the header (first cell) lacks '{need}'")
