@@ -278,7 +278,8 @@ def loss_table(runs: dict[str, Run], last: int = 5) -> pd.DataFrame:
 def dispatch_check(world_size: int = 2, tokens: int = 64, width: int = 32, tile: int = 8,
                    runs_root: Any = None) -> dict:
     """On `world_size` ranks: one expert-parallel layer (4 experts per rank, top-2) run forward and backward with
-    its dispatch in fp32 and in FP8, collectives counted at the dispatcher. Returns rank 0's measurements."""
+    its dispatch in fp32 and in FP8, collectives counted at the dispatcher. Returns rank 0's measurements, among
+    them "dispatch_vs_bound": the largest dispatched value's error over what E4M3 rounding may cost it (<= 1)."""
     from functools import partial
     run = launch(partial(_dispatch_rank, tokens=tokens, width=width, tile=tile), world_size=world_size, echo=False,
                  progress=False, runs_root=runs_root, name="fp8 dispatch")
@@ -299,15 +300,29 @@ def _dispatch_rank(ctx: Any, tokens: int, width: int, tile: int) -> dict:
     index = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)])
     weights = torch.rand(tokens, 2, generator=g)
     out: dict[str, Any] = {"rows_out": tokens * 2, "width": width, "tile": tile}
+    plain = layer._dispatch
     for name, wire in (("fp32", None), ("fp8", FP8Dispatch(tile))):
-        layer.wire = wire
+        layer.wire, arrived = wire, []
+
+        def recording(rows, out_splits, in_splits, arrived=arrived):   # the rows as the experts receive them
+            got = plain(rows, out_splits, in_splits)
+            arrived.append(got.detach().clone())
+            return got
+        layer._dispatch = recording
         x = hidden.clone().requires_grad_(True)
         with DispatchCounter() as counter:
             y = layer(x, index, weights)
             y.square().sum().backward()
-        out[name] = {"bytes": counter.take_kinds().get("all_to_all"), "output": y.detach(), "grad": x.grad}
+        out[name] = {"bytes": counter.take_kinds().get("all_to_all"), "output": y.detach(), "grad": x.grad,
+                     "arrived": torch.cat(arrived)}
+    layer._dispatch = plain
     out["output_error"] = relative_error(out["fp32"]["output"], out["fp8"]["output"])
     out["grad_error"] = relative_error(out["fp32"]["grad"], out["fp8"]["grad"])
+    # each dispatched value against the most E4M3 with its row's tile scale may move it (error_bound): the same
+    # routing both times, so the rows arrive in the same order
+    exact, travelled = out["fp32"].pop("arrived"), out["fp8"].pop("arrived")
+    bound = error_bound(quantise(exact, "e4m3", "tile", tile), "e4m3", exact)
+    out["dispatch_vs_bound"] = float(((travelled - exact).abs() / bound).max()) if exact.numel() else 0.0
     out["rows_in"] = layer.take_stats()["rows_in"] / 2
     return out
 
