@@ -82,6 +82,13 @@ def test_the_table_keeps_each_claims_worst_margin_over_the_quiet_rounds(tmp_path
     assert "| 07: thin | gated | 3/0/0 | 0/0/1 | ratio < 1: 0.5, 0.7, 0.85 | +15% | – | THIN |" in text
 
 
+def test_a_table_of_a_folder_without_rounds_is_refused_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as done:
+        margins.main(["table", str(tmp_path)])
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert done.value.code == 2 and "no claims logs there" in said and f"run --out {tmp_path}" in said
+
+
 def test_make_tests_last_lines_say_each_run_the_claims_and_a_failed_claims_measure(tmp_path, monkeypatch):
     def junit(name, tests, failures):
         (tmp_path / f"{name}.xml").write_text(f'<testsuites><testsuite tests="{tests}" failures="{failures}" '

@@ -240,6 +240,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if getattr(args, "rounds", 1) < 0 or getattr(args, "busy", 0) < 0:
         parser.error("--rounds and --busy must be 0 or more")
+    if args.command == "table" and not any(Path(args.folder).glob("*-[0-9]*.jsonl")):
+        parser.error(f"{args.folder}: no claims logs there (quiet-N.jsonl, busy-N.jsonl); make them with "
+                     f"`python tools/margins.py run --out {args.folder}`")
     run(args) if args.command == "run" else write(args)
 
 
