@@ -34,7 +34,8 @@ from ..training.parallel import context_model as cpm
 from ..training.parallel.dispatchcount import DispatchCounter
 
 __all__ = ["positions", "causal_pairs", "reference", "Traffic", "tiny_gpt2", "draw_splits", "every_method", "worst",
-           "expected_bytes", "traffic_table", "bytes_match", "pairs_table", "scores_table", "pairs_counted", "pairs_match",
+           "expected_bytes", "traffic_table", "bytes_match", "pairs_table", "scores_table", "pairs_counted",
+           "pairs_match",
            "activation_runs", "tokens_per_rank", "act_bytes_per_rank", "loss_gap", "cp_pairs_table", "tiny_layout",
            "CODES", "split_timing", "split_timing_unchecked", "zigzag_is_faster",
            "zigzag_is_slower_whole"]

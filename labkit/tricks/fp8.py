@@ -132,9 +132,10 @@ def torchao_check(steps: int = 8, lr: float = 1e-2, seed: int = 0) -> pd.DataFra
     """In this process, per recipe of TORCHAO_RECIPES: the tiny DeepSeek-V3 trained `steps` AdamW steps twice from
     the same weights on the same batches, its nn.Linear layers once as torchao's Float8Linear (fp8_engine "torchao")
     and once in labkit's simulation of the same recipe (the routed experts in labkit's simulation both times).
-    One row per recipe: the layers that became torchao's Float8Linear (counted on the model), the torch._scaled_mm calls one step made in each (counted by
-    torch.profiler), each run's first and last loss, and the largest relative gap between the two runs' losses
-    (every step) and gradients (every parameter, first step). attrs["losses"]: {recipe: {engine: [loss per step]}};
+    One row per recipe: the layers that became torchao's Float8Linear (counted on the model), the torch._scaled_mm
+    calls one step made in each (counted by torch.profiler), each run's first and last loss, and the largest
+    relative gap between the two runs' losses (every step) and gradients (every parameter, first step).
+    attrs["losses"]: {recipe: {engine: [loss per step]}};
     attrs["layers"]: the converted layers' names and classes. Raises ModuleNotFoundError without torchao."""
     import torchao  # noqa: F401 - the fp8 extra; fails here, by name, when it is missing
 
