@@ -93,7 +93,15 @@ def test_a_lesson_out_of_form_is_named_for_what_it_lacks(tmp_path):
 def test_each_floor_is_the_asserts_before_less_the_ones_removed_with_a_reason_or_what_it_logs_now():
     data = json.loads((Path(__file__).parent / "claims_floor.json").read_text())
     raised = data["raised"]["counts"]
+    split = data.get("split", {"from": {}, "into": {}})
+    parts = {part for into in split["into"].values() for part in into}
+    for parent, into in split["into"].items():   # a split lesson's claims all went to its parts
+        assert sum(data["floor"][p] for p in into) >= split["from"][parent], (
+            f"lessons {' + '.join(into)} hold {sum(data['floor'][p] for p in into)} claims, fewer than lesson "
+            f"{parent}'s {split['from'][parent]} before the split")
     for lesson, floor in data["floor"].items():
+        if lesson in parts:
+            continue
         removed = data["removed"].get(lesson, [])
         assert all(isinstance(r, str) and len(r) > 20 for r in removed), f"lesson {lesson}: say why each went"
         expected = max(data["before"][lesson] - len(removed), raised.get(lesson, 0))
