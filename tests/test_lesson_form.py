@@ -1,7 +1,8 @@
 """The lesson form (issue 27), read off every lesson written in it: a header that says what you will learn, what you
 need and how long it takes; the torch API called in a code cell; at least two predict-then-run questions with their
 answers folded; one Claims object numbered like the file; the claims' closing table; a recap and further reading
-with links; no code cell over 25 lines.
+with links; no code cell over 25 lines, no code line over 100 columns (in code cells and in the ```python blocks
+of the folded solutions), no lesson over 50 cells (issue 42: the exercises to come add about 3 each).
 
 Lessons not yet in the form are listed in NOT_YET; the list only shrinks (an entry for a lesson that is in the form
 fails, so it cannot rot)."""
@@ -9,6 +10,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +21,8 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 LESSONS = sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb") if not p.name.endswith(".blank.ipynb"))
 NOT_YET: set[str] = set()   # empty since issue 28: every lesson is in the form (22, new in issue 29, was written in it)
 MAX_CELL_LINES = 25
+MAX_COLUMNS = 100   # a learner reading a lesson at a laptop's width does not scroll sideways
+MAX_CELLS = 50
 # The torch API a lesson is about, called (not only imported) in a code cell: the same pattern lesson-metrics reads.
 API = re.compile(r"\b(dist\.(all_reduce|all_gather|broadcast|reduce_scatter|all_to_all|send|recv|isend|irecv|barrier|"
                  r"init_process_group|new_group|monitored_barrier|get_rank|get_backend|get_world_size)|"
@@ -62,13 +68,45 @@ def form_problems(lesson: Path) -> list[str]:
     long = [sum(1 for line in c.splitlines() if line.strip()) for c in code]
     if long and max(long) > MAX_CELL_LINES:
         problems.append(f"a code cell of {max(long)} lines (at most {MAX_CELL_LINES})")
+    wide = wide_lines(lesson)
+    if wide:
+        problems.append(f"{len(wide)} code lines over {MAX_COLUMNS} columns (the first: {wide[0]})")
+    count = len(json.loads(lesson.read_text())["cells"])
+    if count > MAX_CELLS:
+        problems.append(f"{count} cells (at most {MAX_CELLS})")
     return problems
+
+
+def wide_lines(lesson: Path) -> list[str]:
+    """Code lines over MAX_COLUMNS, each as 'cell N: <its start>': in code cells and in the ```python blocks of
+    markdown cells (the folded solutions are code a learner reads too)."""
+    found = []
+    for n, cell in enumerate(json.loads(lesson.read_text())["cells"]):
+        text = "".join(cell["source"])
+        if cell["cell_type"] == "markdown":
+            text = "\n".join(re.findall(r"```python\n(.*?)```", text, re.S))
+        elif cell["cell_type"] != "code":
+            continue
+        found += [f"cell {n}: {line[:40]}..." for line in text.splitlines() if len(line) > MAX_COLUMNS]
+    return found
 
 
 @pytest.mark.parametrize("lesson", [p for p in LESSONS if p.name[:2] not in NOT_YET], ids=lambda p: p.stem)
 def test_the_lesson_is_in_the_form(lesson):
     problems = form_problems(lesson)
     assert not problems, f"{lesson.name}: " + "; ".join(problems)
+
+
+def test_ruff_reads_every_lesson_and_finds_no_line_over_100_columns_and_no_syntax_error():
+    """ruff (the test extra) parses each code cell as Python, magics included: E9 is a syntax error, E501 a line
+    over 100 columns."""
+    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
+    if not Path(ruff).exists():
+        pytest.skip("ruff is not installed (pip install -e '.[test]' brings it)")
+    done = subprocess.run([ruff, "check", "--isolated", "--no-cache", "--select", "E501,E9", "--line-length",
+                           str(MAX_COLUMNS), "--output-format", "concise", *map(str, LESSONS)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-1000:]
 
 
 def test_the_list_of_lessons_not_yet_in_the_form_only_shrinks():
@@ -86,6 +124,17 @@ def test_a_lesson_out_of_form_is_named_for_what_it_lacks(tmp_path):
     assert "the header (first cell) lacks 'You need'" in problems and "no '## Recap'" in problems
     assert "no code cell calls the torch API the lesson is about" in problems
     assert "a code cell of 31 lines (at most 25)" in problems and "no Claims('07')" not in problems
+    assert not any("columns" in p or "cells (at most" in p for p in problems)
+    wide, folded = "total = " + " + ".join(["1"] * 40), "<details>\n\n```python\nx = '" + "a" * 95 + "'\n```"
+    planted.write_text(json.dumps({"cells": [
+        {"cell_type": "markdown", "source": "# 07 · A lesson", "metadata": {}},
+        {"cell_type": "code", "source": wide, "metadata": {}},
+        {"cell_type": "markdown", "source": folded, "metadata": {}}]
+        + [{"cell_type": "markdown", "source": "more", "metadata": {}}] * 48,
+        "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    problems = form_problems(planted)
+    assert f"2 code lines over 100 columns (the first: cell 1: {wide[:40]}...)" in problems, problems
+    assert "51 cells (at most 50)" in problems
 
 
 # --- no claim dropped (tests/claims_floor.json, enforced by conftest at the end of make test) ----------------------
