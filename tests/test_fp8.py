@@ -129,6 +129,7 @@ def test_fp8_dispatch_carries_a_quarter_of_the_bytes_plus_scales(runs_root):
     assert bytes32 - bytes8 == rows * width * 4 - wire_bytes(rows, width, tile)
     assert wire_bytes(rows, width, tile) == rows * width * (1 + 4 / tile)
     assert got["output_error"] < FORMATS["e4m3"].relative_error and got["grad_error"] < FORMATS["e4m3"].relative_error
+    assert 0 < got["dispatch_vs_bound"] <= 1     # the rows the experts got (ExpertParallel.on_arrival): rounded, in bound
 
 
 def test_fp8_training_stays_within_the_stated_gap_of_fp32(runs_root):

@@ -301,22 +301,16 @@ def _dispatch_rank(ctx: Any, tokens: int, width: int, tile: int) -> dict:
     index = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)])
     weights = torch.rand(tokens, 2, generator=g)
     out: dict[str, Any] = {"rows_out": tokens * 2, "width": width, "tile": tile}
-    plain = layer._dispatch
     for name, wire in (("fp32", None), ("fp8", FP8Dispatch(tile))):
         layer.wire, arrived = wire, []
-
-        def recording(rows, out_splits, in_splits, arrived=arrived):   # the rows as the experts receive them
-            got = plain(rows, out_splits, in_splits)
-            arrived.append(got.detach().clone())
-            return got
-        layer._dispatch = recording
+        layer.on_arrival = lambda rows, arrived=arrived: arrived.append(rows.clone())   # as the experts get them
         x = hidden.clone().requires_grad_(True)
         with DispatchCounter() as counter:
             y = layer(x, index, weights)
             y.square().sum().backward()
         out[name] = {"bytes": counter.take_kinds().get("all_to_all"), "output": y.detach(), "grad": x.grad,
                      "arrived": torch.cat(arrived)}
-    layer._dispatch = plain
+    layer.on_arrival = None
     out["output_error"] = relative_error(out["fp32"]["output"], out["fp8"]["output"])
     out["grad_error"] = relative_error(out["fp32"]["grad"], out["fp8"]["grad"])
     # each dispatched value against the most E4M3 with its row's tile scale may move it (error_bound): the same

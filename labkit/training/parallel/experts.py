@@ -28,7 +28,7 @@ rows if it got none: the empty matmul still puts its parameters in the graph, wi
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -82,6 +82,9 @@ class ExpertParallel(nn.Module):
         if self.local * self.size != num_experts:
             raise ValueError(f"{self.size} ranks x {self.local} experts each != {num_experts} experts")
         self.wire: Any = None  # the forward dispatch's own all_to_all, when set (FP8 payloads: training/fp8_wire.py)
+        # called with the rows as this rank's experts receive them, after the dispatch (lesson 20 holds the FP8
+        # rows against the fp32 ones): a hook, so that an observer never replaces the dispatch itself
+        self.on_arrival: Callable[[torch.Tensor], None] | None = None
         self.stats = dict.fromkeys(("rows_out", "rows_in", "rows_leaving", "t_experts", "t_a2a", "t_combine"), 0.0)
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -96,6 +99,8 @@ class ExpertParallel(nn.Module):
         in_splits, out_splits = send.view(self.size, self.local).sum(1).tolist(), recv.sum(1).tolist()
         arrived = self._dispatch(rows, out_splits, in_splits)
         waited = time.perf_counter() - started
+        if self.on_arrival is not None:
+            self.on_arrival(arrived.detach())
         local_id = torch.arange(self.local).repeat(self.size).repeat_interleave(recv.reshape(-1))
         order = torch.argsort(local_id, stable=True)              # rows of each local expert together
         t0 = time.perf_counter()
