@@ -13,12 +13,13 @@ from labkit.exercises import blanks
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 EXERCISE_LESSONS = ["16_build_ddp_yourself.ipynb", "17_build_zero_yourself.ipynb", "18_pipeline_parallel.ipynb",
-                    "14_zero_and_tensor_parallel.ipynb", "19_mixture_of_experts.ipynb", "23_context_parallelism.ipynb"]
+                    "27_tensor_and_sequence_parallel.ipynb", "19_mixture_of_experts.ipynb",
+                    "23_context_parallelism.ipynb"]
 # Each lesson's folded solutions go through their checkers (the lesson itself runs under make test with labkit's
 # reference in its place). lesson -> [(checker of the solution's names,
 # the names report.use hands back once it passed), ...], one per exercise.
 SOLUTION_CHECKS = {
-    "14_zero_and_tensor_parallel.ipynb": [(lambda ns: ex.check_tp(ns["MyColumnParallelLinear"], ns["MyRowParallelLinear"]),
+    "27_tensor_and_sequence_parallel.ipynb": [(lambda ns: ex.check_tp(ns["MyColumnParallelLinear"], ns["MyRowParallelLinear"]),
                                            lambda ns: (ns["MyColumnParallelLinear"], ns["MyRowParallelLinear"]))],
     "16_build_ddp_yourself.ipynb": [(lambda ns: ex.check_ddp(ns["MyNaiveDDP"]), lambda ns: ns["MyNaiveDDP"]),
                                     (lambda ns: ex.check_ddp(ns["MyOverlapDDP"], overlap=True),

@@ -72,3 +72,63 @@ def test_the_wrapped_model_keeps_its_state_dict_keys_and_values():
 def test_recomputation_is_refused_where_it_does_not_apply(fields, words):
     with pytest.raises(ConfigError, match=words):
         RunConfig(**{"task": "tinylm", "world_size": 2, "global_batch": 8, "recompute": "full", **fields}).validate()
+
+
+# --- lesson 27's measurements (tricks/tpclaim.py) ----------------------------------------------------------
+
+def test_recomputed_cases_are_named_after_their_plain_runs_and_paired_with_them():
+    cases = tpclaim.recomputed([("fsdp", 2), ("tp", 2, {"sequence_parallel": True})])
+    assert cases == [("fsdp", 2, {"recompute": "full", "name": "fsdp w2 recompute"}),
+                     ("tp", 2, {"sequence_parallel": True, "recompute": "full", "name": "tp+sp w2 recompute"})]
+    assert tpclaim.paired({"fsdp w2": "a", "fsdp w2 recompute": "b", "ddp w2": "c"}) == {"fsdp w2": ("a", "b")}
+    with pytest.raises(KeyError, match="run \\['tp w2'\\] too"):
+        tpclaim.paired({"tp w2 recompute": "b"})
+
+
+class _Recorded:   # what loss_gap and extra_calls read of a Run: its name and its per-rank records
+    def __init__(self, name, rows):
+        import pandas as pd
+        self.name, self.df = name, pd.DataFrame(rows)
+
+
+def _rows(losses, gathers):
+    return [{"rank": r, "step": s, "loss": loss + r, "allreduces": 1.0, "n_all_gather": gathers,
+             "bytes_all_gather": 8.0 * gathers, "n_all_reduce": 1.0, "bytes_all_reduce": 8.0}
+            for s, loss in enumerate(losses) for r in range(2)]
+
+
+def test_loss_gap_and_extra_calls_compare_two_runs_step_for_step():
+    none, full = _Recorded("none", _rows([3.0, 2.5], 6.0)), _Recorded("full", _rows([3.0, 2.5], 10.0))
+    assert tpclaim.loss_gap(none, full) == 0.0
+    assert tpclaim.loss_gap(none, _Recorded("off", _rows([3.0, 2.25], 6.0))) == 0.25
+    assert tpclaim.extra_calls(none, full) == {"all_gather": 4} and tpclaim.extra_bytes(none, full) == {"all_gather": 32}
+    assert tpclaim.extra_calls(none, none) == {}
+    with pytest.raises(ValueError, match="run the same steps"):
+        tpclaim.loss_gap(none, _Recorded("short", _rows([3.0], 6.0)))
+
+
+def test_worst_gap_and_slowdown_read_their_tables():
+    import pandas as pd
+    from labkit.measure import Timing, Timings
+    table = pd.DataFrame({"measured none": [100.0], "formula none": [99.0], "measured full": [10.0],
+                          "formula full": [9.0]})
+    assert tpclaim.worst_gap(table) == pytest.approx(1 / 9)
+    timings = {label: Timing(label, None, step, 1.0, 0.0, tuple((0.0, s) for s in steps))
+               for label, step, steps in (("ddp w2", 0.02, (0.02, 0.03, 0.02)),
+                                          ("ddp w2 recompute", 0.03, (0.03, 0.03, 0.04)))}
+    timed = Timings(timings, {}, {})
+    assert tpclaim.slowdown(timed) == pytest.approx(1.5)   # the median of 1.5, 1.0 and 2.0
+    assert tpclaim.summary(timed)["ms full"] == pytest.approx(30.0)
+
+
+def test_recomputation_repeats_sequence_parallel_collectives_and_no_fsdp_gather(runs_root, no_leftovers):
+    cases = [("fsdp", 2), ("tp", 2, {"sequence_parallel": True})]
+    runs = parallel.run_strategies(cases + tpclaim.recomputed(cases), steps=STEPS, runs_root=runs_root,
+                                   tensorboard=False, save_final=False)
+    pairs = tpclaim.paired(runs)
+    assert tpclaim.extra_calls(*pairs["fsdp w2"]) == {}   # the wrapper sits inside fully_shard's unit
+    # each block's forward again, up to the last tensor backward needs: 2 all-gathers, 1 of 2 reduce-scatters
+    assert tpclaim.extra_calls(*pairs["tp+sp w2"]) == {"all_gather": 4, "reduce_scatter": 2}
+    table = tpclaim.activation_table(pairs)
+    assert (table.kept < 0.1).all() and tpclaim.worst_gap(table) < 0.02, table
+    assert all(tpclaim.loss_gap(*pair) == 0.0 for pair in pairs.values())

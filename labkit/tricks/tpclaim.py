@@ -10,6 +10,15 @@ and sped training up by 40%.
     tpclaim.predicted_per_block(config)     # the formula's bytes per block on a rank (also with sequence_parallel)
     tpclaim.tp_comm_share(hidden=12288, tp=8, flops_per_s=989e12, bandwidth=450e9)  # all-reduce / compute time
 
+Activation recomputation (RunConfig.recompute = "full", lesson 27), measured beside its formula:
+
+    again = parallel.run_strategies(tpclaim.recomputed([("fsdp", 2)]), steps=12)   # run "fsdp w2 recompute"
+    pairs = tpclaim.paired({**runs, **again})    # {"fsdp w2": (run without, run with)}
+    tpclaim.activation_table(pairs)              # bytes kept, measured and by the formula, none beside full
+    tpclaim.loss_gap(*pairs["fsdp w2"]), tpclaim.extra_calls(*pairs["fsdp w2"])   # 0.0, {}: same numbers, no gather
+    timed = tpclaim.timed_pair(parallel.lesson_config("ddp", 2, steps=12), cores=2)   # side by side, pinned
+    tpclaim.slowdown(timed)                      # the median paired step-time ratio, full / none
+
 Model state per rank is 16Ψ/N for ZeRO-3 over N ranks, and (16Ψ/T)/(N/T) for ZeRO-3 over N/T ranks times tensor
 parallelism over T: the same. What tensor parallelism cuts is what ZeRO never shards: the activations of the
 samples a rank computes on (it computes 1/T of every split layer), and ZeRO-3's gathered layer (1/T of it).
@@ -17,8 +26,9 @@ samples a rank computes on (it computes 1/T of every split layer), and ZeRO-3's 
 from __future__ import annotations
 
 import re
+import statistics
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
@@ -26,14 +36,17 @@ import torch
 from matplotlib.figure import Figure
 
 from ..config import RunConfig
+from ..measure.timing import Timings, interleaved
 from ..records import Run
 from ..training.parallel.held import SavedTensors
 from ..training.parallel.recompute import recompute_blocks
+from ..training.parallel.strategies import COUNTED_STEPS
 from ..training.tasks import make_task
 from ..view import COLORS, new_figure, shown
 from .comm import ring_time
 from ..memory import activation_bytes
-from .parallel import STAGE, activation_form, collectives, held, parameter_split, predicted_state, throughput
+from .parallel import (STAGE, activation_form, collectives, held, lesson_config, parameter_split,
+                       predicted_state, throughput)
 
 FLOPS_PER_LAYER = 72  # fwd + bwd FLOPs per layer ≈ 72·b·s·h² (Narayanan et al. 2021, attention scores left out)
 
@@ -184,3 +197,97 @@ def describe(parts: pd.DataFrame, before: str, after: str) -> dict[str, Any]:
     ratios = {part: b[part] / a[part] for part in ("model_state", "activations", "total", "samples_per_s")}
     ratios["gathered"] = b.gathered / a.gathered if a.gathered else np.nan
     return ratios
+
+# --- activation recomputation (lesson 27): bytes kept with and without, losses, collectives again, time ----
+# The formula is labkit.memory.activation_bytes with recompute="full" (each layer keeps its input, split along
+# the sequence under sequence parallelism), as predicted_activations computes it for a run's config.
+
+SUFFIX = " recompute"   # a recomputed run's name: its plain run's name and this
+
+
+def recomputed(cases: Sequence[tuple]) -> list[tuple]:
+    """parallel.run_strategies' cases with recompute="full", each named "<plain name> recompute":
+    recomputed([("fsdp", 2)]) == [("fsdp", 2, {"recompute": "full", "name": "fsdp w2 recompute"})]."""
+    out = []
+    for strategy, world, *more in cases:
+        fields = {**(more[0] if more else {}), "recompute": "full"}
+        name = lesson_config(strategy, world, steps=1, **{**fields, "recompute": "none"}).name + SUFFIX
+        out.append((strategy, world, {**fields, "name": name}))
+    return out
+
+
+def paired(runs: dict[str, Run]) -> dict[str, tuple[Run, Run]]:
+    """{plain name: (run without recomputation, run with it)} for every "<name> recompute" run whose plain run is
+    in `runs`:  paired({"ddp w2": a, "ddp w2 recompute": b}) == {"ddp w2": (a, b)}."""
+    missing = [n for n in runs if n.endswith(SUFFIX) and n[: -len(SUFFIX)] not in runs]
+    if missing:
+        raise KeyError(f"no plain run for {missing}: run {[n[: -len(SUFFIX)] for n in missing]} too")
+    return {n[: -len(SUFFIX)]: (runs[n[: -len(SUFFIX)]], run) for n, run in runs.items() if n.endswith(SUFFIX)}
+
+
+def activation_table(pairs: dict[str, tuple[Run, Run]]) -> pd.DataFrame:
+    """One row per pair: activations the fullest rank kept (act_bytes) without and with recomputation, the
+    formula's for both, and the fraction kept (full / none), measured and by the formula."""
+    rows = {}
+    for label, (none, full) in pairs.items():
+        rows[label] = {"measured none": held(none).activations, "measured full": held(full).activations,
+                       "formula none": predicted_activations(none.config),
+                       "formula full": predicted_activations(full.config)}
+    out = pd.DataFrame.from_dict(rows, orient="index")
+    out["kept"] = out["measured full"] / out["measured none"]
+    out["formula kept"] = out["formula full"] / out["formula none"]
+    return out
+
+
+def worst_gap(table: pd.DataFrame) -> float:
+    """The largest |measured / formula - 1| in an activation_table, with and without recomputation."""
+    gaps = [(table[f"measured {h}"] / table[f"formula {h}"] - 1).abs().max() for h in ("none", "full")]
+    return float(max(gaps))
+
+
+def losses(run: Run) -> np.ndarray:
+    """Every rank's loss on every step, in (step, rank) order."""
+    return run.df.dropna(subset=["loss"]).sort_values(["step", "rank"])["loss"].to_numpy(float)
+
+
+def loss_gap(none: Run, full: Run) -> float:
+    """The largest |loss difference| between two runs, step for step and rank for rank (0.0: bit for bit)."""
+    a, b = losses(none), losses(full)
+    if len(a) != len(b):
+        raise ValueError(f"{none.name!r} recorded {len(a)} losses, {full.name!r} {len(b)}: run the same steps")
+    return float(np.abs(a - b).max())
+
+
+def extra_calls(none: Run, full: Run) -> dict[str, int]:
+    """Collectives per step that recomputation added on rank 0, by kind (counted at the dispatcher; kinds whose
+    calls did not change left out):  extra_calls(tp_sp, tp_sp_recomputed) == {"all_gather": 4, ...}."""
+    a, b = collectives(none), collectives(full)
+    extra = {k: int(b.get(k, (0, 0))[0] - a.get(k, (0, 0))[0]) for k in {**a, **b}}
+    return {k: v for k, v in sorted(extra.items()) if v}
+
+
+def extra_bytes(none: Run, full: Run) -> dict[str, int]:
+    """Bytes handed to collectives per step that recomputation added on rank 0, by kind (as extra_calls)."""
+    a, b = collectives(none), collectives(full)
+    extra = {k: int(b.get(k, (0, 0))[1] - a.get(k, (0, 0))[1]) for k in {**a, **b}}
+    return {k: v for k, v in sorted(extra.items()) if v}
+
+
+def timed_pair(config: RunConfig, *, cores: int, rounds: int = 2) -> Timings:
+    """config without and with recomputation, timed side by side (measure.interleaved: pinned, metered, the counted
+    steps left out of the window); labels config.name and config.name + " recompute"."""
+    plain = config.replace(recompute="none")
+    variants = {plain.name: plain, plain.name + SUFFIX: plain.replace(recompute="full", name=plain.name + SUFFIX)}
+    return interleaved(variants, rounds=rounds, cores=cores, warmup=COUNTED_STEPS + 1)
+
+
+def slowdown(timed: Timings) -> float:
+    """The median over rounds of the recomputed run's step time over the plain run's, measured side by side."""
+    plain, full = list(timed)
+    return float(statistics.median(timed.paired(full, plain)))
+
+
+def summary(timed: Timings) -> dict[str, Any]:
+    """Milliseconds per step without and with recomputation, and their ratio (slowdown)."""
+    plain, full = list(timed)
+    return {"ms none": 1e3 * timed[plain].step_s, "ms full": 1e3 * timed[full].step_s, "slower": slowdown(timed)}
