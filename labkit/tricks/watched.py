@@ -248,17 +248,22 @@ def _not_finite(records: pd.DataFrame, column: str, flag: str) -> pd.Series:
     return ~np.isfinite(pd.to_numeric(records[column], errors="coerce").astype(float))
 
 
+def arrivals(records: pd.DataFrame) -> pd.DataFrame:
+    """Every collective each rank's Flight Recorder saw, one row each: rank, step (the step that recorded it), seq,
+    op (as gloo names it: "all_reduce", "broadcast"...) and t (its arrival, in seconds)."""
+    rows = [{"rank": int(r.rank), "step": int(r.step), "seq": int(a[0]), "op": str(a[1]).split(":")[-1],
+             "t": a[2] / 1e9}
+            for r in records.itertuples() if isinstance(getattr(r, "arrivals", None), list) for a in r.arrivals]
+    return pd.DataFrame(rows, columns=["rank", "step", "seq", "op", "t"])
+
+
 def arrival_lags(records: pd.DataFrame) -> pd.DataFrame:
     """Per rank and step, the largest over the step's collectives of (this rank's arrival - the first rank's), in
     seconds, from the recorded Flight Recorder times (columns rank, step, lag_s, collectives). The largest, not a
     mean: once the late rank arrives, the step's later collectives start together, so the lag shows at one of them."""
-    if records.empty or "arrivals" not in records:
+    times = arrivals(records)
+    if times.empty:
         return pd.DataFrame(columns=["rank", "step", "lag_s", "collectives"])
-    rows = [{"rank": int(r.rank), "step": int(r.step), "seq": a[0], "t": a[2] / 1e9}
-            for r in records.itertuples() if isinstance(r.arrivals, list) for a in r.arrivals]
-    if not rows:
-        return pd.DataFrame(columns=["rank", "step", "lag_s", "collectives"])
-    times = pd.DataFrame(rows)
     ranks = times["rank"].nunique()
     times = times[times.groupby("seq")["rank"].transform("nunique") == ranks]  # issued by every rank
     times["lag_s"] = times["t"] - times.groupby("seq")["t"].transform("min")

@@ -25,6 +25,7 @@ import pandas as pd
 from ..measure import above, below
 from ..records import Run, read_meta
 from ..run.watch import resolve, unwatched_environment
+from .watched import arrivals
 from ..rundir import RunDir
 
 # Not anchored to whole lines: under PYTHONUNBUFFERED, print writes its text and its newline apart, so two ranks'
@@ -70,9 +71,7 @@ def step_ids(run: Run) -> dict[int, list[int]]:
 def collective_ids(run: Run) -> pd.DataFrame:
     """rank, step, seq, op: every collective each rank's Flight Recorder saw, by the step that recorded it (op as
     gloo names it: "all_reduce", "broadcast"...)."""
-    rows = [{"rank": int(r.rank), "step": int(r.step), "seq": int(a[0]), "op": str(a[1]).split(":")[-1]}
-            for r in run.df.itertuples() if isinstance(getattr(r, "arrivals", None), list) for a in r.arrivals]
-    return pd.DataFrame(rows, columns=["rank", "step", "seq", "op"])
+    return arrivals(run.df)[["rank", "step", "seq", "op"]]
 
 
 def _losses(source: Run | pd.DataFrame) -> pd.Series:
