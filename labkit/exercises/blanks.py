@@ -48,8 +48,11 @@ def blank_source(source: str) -> str:
                 rest = body[1:] if documented else body
                 if rest and rest[0].lineno == child.lineno:
                     continue  # a one-line def: nothing to empty without rewriting the line
-                raise_line = " " * body[0].col_offset + \
-                    f'raise NotImplementedError("{prefix}{child.name} is not written yet")'
+                indent = " " * body[0].col_offset
+                raise_line = indent + f'raise NotImplementedError("{prefix}{child.name} is not written yet")'
+                if len(raise_line) > 100:   # the lessons' code stays within 100 columns
+                    raise_line = (indent + "raise NotImplementedError(\n" + indent + "    "
+                                  + f'"{prefix}{child.name} is not written yet")')
                 if rest:
                     edits.append((rest[0].lineno - 1, child.end_lineno - 1, raise_line))
                 else:
