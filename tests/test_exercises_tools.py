@@ -111,15 +111,15 @@ def test_a_blank_copy_of_a_lesson_empties_exactly_its_exercise_cells_and_switche
 
 
 def test_a_blank_body_whose_raise_would_pass_100_columns_is_wrapped():
-    solution = ("class MyRatherLongBucketedDataParallelWrapper:\n"
-                "    def finish_gradient_synchronization_of_every_bucket(self):\n"
+    solution = ("class MyBucketedDataParallel:\n"
+                "    def finish_gradient_synchronization(self):\n"
                 "        return 1\n")
     stub = blanks.blank_source(solution)
-    assert max(map(len, stub.splitlines())) <= 100, stub
-    with pytest.raises(NotImplementedError, match="finish_gradient_synchronization_of_every_bucket is not written"):
+    assert "raise NotImplementedError(\n" in stub and max(map(len, stub.splitlines())) <= 100, stub
+    with pytest.raises(NotImplementedError, match="finish_gradient_synchronization is not written"):
         namespace: dict = {}
         exec(stub, namespace)
-        namespace["MyRatherLongBucketedDataParallelWrapper"]().finish_gradient_synchronization_of_every_bucket()
+        namespace["MyBucketedDataParallel"]().finish_gradient_synchronization()
 
 
 def test_blank_copy_refuses_a_notebook_without_exercises(tmp_path):
