@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import sysconfig
 import time
 import traceback
 from pathlib import Path
@@ -24,8 +26,33 @@ import torch
 from ..run import RankFailure, launch
 from .report import Report
 
-# Frames in these folders are not the learner's: labkit's own package, and torch.
-_LIBRARIES = (str(Path(__file__).resolve().parents[2]) + os.sep, str(Path(torch.__file__).resolve().parent) + os.sep)
+# Frames in these folders are not the learner's: labkit's own package, torch, and Python's standard library (outside
+# site-packages: a package installed without a virtualenv lives under it).
+_LIBRARIES = (str(Path(__file__).resolve().parents[2] / "labkit") + os.sep,
+              str(Path(torch.__file__).resolve().parent) + os.sep)
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+_FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
+_TORCH_CALL = re.compile(r"waiting inside torch \([^)]* in (\w+)\)")
+
+
+def is_learners(path: str) -> bool:
+    """Whether a frame's file is the learner's code (a notebook cell, a script, a test): not labkit's package, not
+    torch, not Python's standard library:  is_learners("/tmp/ipykernel_7/2841.py") -> True."""
+    path = str(Path(path).resolve()) if path and not path.startswith("<") else path
+    return not (path.startswith(_LIBRARIES) or (path.startswith(_STDLIB) and "-packages" not in path))
+
+
+def learner_frame(stack: str) -> tuple[str, str]:
+    """(function, "file:line in function") of the innermost frame of the learner's code in a faulthandler dump or
+    a traceback's text, or ("", "") when no frame is the learner's. A dump lists the innermost frame first, a
+    traceback last: both are read innermost first."""
+    frames = _FRAME.findall(stack)
+    if "Traceback (most recent call last)" in stack:
+        frames = frames[::-1]
+    for path, line, func in frames:
+        if is_learners(path):
+            return func, f"{Path(path).name}:{line} in {func}"
+    return "", ""
 
 
 @contextlib.contextmanager
@@ -35,10 +62,10 @@ def learner_part(ctx: Any, part: str, step: int = -1) -> Iterator[None]:
         yield
     except BaseException as exc:
         frames = traceback.extract_tb(exc.__traceback__)
-        where = next((f"{f.filename}:{f.lineno} in {f.name}" for f in reversed(frames)
-                      if not f.filename.startswith(_LIBRARIES)), "")
+        where = next((f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in reversed(frames)
+                      if is_learners(f.filename)), "")
         error = {"part": part, "step": step, "type": type(exc).__name__, "message": str(exc), "where": where,
-                 "time": time.time()}
+                 "time": time.time(), "rank": ctx.rank}
         Path(ctx.run_dir, f"exercise_error{ctx.rank}.json").write_text(json.dumps(error))
         raise
 
@@ -77,13 +104,36 @@ def report_failure(report: Report, failure: RankFailure, hang_hint: str = "") ->
         report.add("written", "missing", f"{what} (the {error['part']} raised NotImplementedError). Write it in "
                                          "the ✏️ cell and run the check again.")
     elif error:
-        report.add("runs", "fail", f"your {error['part']} raised {error['type']}{step(error)}: {error['message']}"
-                                   + (f" ({error['where']})" if error["where"] else ""))
+        rank = f"rank {error['rank']}: " if "rank" in error else ""
+        report.add("runs", "fail", f"{rank}your {error['part']} raised {error['type']}{step(error)}: "
+                                   f"{error['message']}" + (f" ({error['where']})" if error["where"] else ""),
+                   part=error["part"])
     elif failure.reason == "hung":
-        report.add("runs", "fail", f"rank {failure.rank} made no progress{step({'step': failure.step})}: "
-                                   f"{failure.detail}. A collective that not every rank made (same ops, same "
-                                   "order, same sizes on all ranks) waits forever." + (f" {hang_hint}" if hang_hint
-                                                                                         else ""))
+        places = hang_places(failure)
+        part = next((func for rank, (func, where, call) in sorted(places.items()) if func), "")
+        said = "; ".join(f"rank {rank} waits in {call or 'its code'} at {where or 'a line outside your code'}"
+                         for rank, (func, where, call) in sorted(places.items()))
+        report.add("runs", "fail", f"rank {failure.rank} made no progress{step({'step': failure.step})}"
+                                   + (f" ({said})" if said else f": {failure.detail}")
+                                   + ". A collective that not every rank made (same ops, same order, same sizes on "
+                                     "all ranks) waits forever." + (f" {hang_hint}" if hang_hint else ""),
+                   part=part)
     else:
-        report.add("runs", "fail", f"rank {failure.rank} {failure.reason}: {failure.detail}")
+        func, where = learner_frame(failure.traceback)
+        report.add("runs", "fail", f"rank {failure.rank} {failure.reason}{step({'step': failure.step})}"
+                                   + (f" at your line {where}" if where else "") + f": {failure.detail}",
+                   part=func)
     return report
+
+
+def hang_places(failure: RankFailure) -> dict[int, tuple[str, str, str]]:
+    """For each rank of a hung run whose stack was read: (the learner's function it is in, "file:line in function"
+    of the learner's innermost frame, the torch call it waits in or "")."""
+    places = {}
+    for status in failure.statuses:
+        if not status.traceback:
+            continue
+        func, where = learner_frame(status.traceback)
+        call = _TORCH_CALL.search(status.detail)
+        places[status.rank] = (func, where, call.group(1) if call else "")
+    return places

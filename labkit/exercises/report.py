@@ -10,6 +10,19 @@ labkit's reference, said out loud, so that the rest of the lesson runs while you
 exercises as stubs. Code that is written and wrong stops the lesson: `use` (and `require`) raise ExerciseFailed with
 the report's text, except in blank mode (LABKIT_EXERCISES=blank, which a blank copy sets), where it is said and the
 reference used.
+
+The standard every checker meets (issue 46; tests/test_checker_standard.py and each checker's tests hold it, and
+`python tools/mutants.py` measures it):
+- it compares the learner's code with a reference independent of it, on the properties a wrong solution breaks
+  (values, balance, what a residual or a second use of a tensor exposes, async work waited for before use), checked
+  deterministically, never by timing;
+- a failure names the learner's function it blames (`report.add(..., part="combine")`, shown as "(in your
+  combine)"; `report.blamed` lists them) and a cause that is true of the code it saw, in words a learner can act on;
+- a correct solution written another way (other collectives, another balanced sharding) passes, or is told which
+  requirement of the exercise it misses;
+- a hang names each rank's place in the learner's code and the call it waits in, a crash the rank and the learner's
+  line (learner.report_failure), never a frame of labkit's;
+- it runs on the world sizes the exercise promises.
 """
 from __future__ import annotations
 
@@ -39,13 +52,15 @@ class Finding:
     check: str
     status: str
     message: str
+    part: str = ""   # the learner's function or method a failure blames ("combine", "MyDDP.finish_..."), if known
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
             raise ValueError(f"status = {self.status!r}: must be one of {STATUSES}")
 
     def line(self) -> str:
-        return f"{_MARKS[self.status]} {self.check}: {self.message}"
+        blamed = f" (in your {self.part})" if self.part and self.status == "fail" else ""
+        return f"{_MARKS[self.status]} {self.check}{blamed}: {self.message}"
 
 
 @dataclass
@@ -58,8 +73,14 @@ class Report:
     run_dir: Path | None = None
     implementation: Any = None
 
-    def add(self, check: str, status: str, message: str) -> None:
-        self.findings.append(Finding(check, status, message))
+    def add(self, check: str, status: str, message: str, part: str = "") -> None:
+        """One verdict; a failure names `part`, the learner's function it blames, wherever the checker can tell."""
+        self.findings.append(Finding(check, status, message, part))
+
+    @property
+    def blamed(self) -> list[str]:
+        """The learner's functions the failures name, in order, each once ([] when none is named)."""
+        return list(dict.fromkeys(f.part for f in self.findings if f.status == "fail" and f.part))
 
     @property
     def ok(self) -> bool:
