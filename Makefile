@@ -1,6 +1,6 @@
 # labkit: make lab (JupyterLab on the notebooks) | make test (everything, quick mode) | make book (HTML site)
 #         make bench (every benchmark, one table of ratios) | make test-browser (lessons in headless Chromium)
-#         make test-floor (the tests at the lowest versions pyproject.toml allows)
+#         make test-floor (the tests at the lowest versions pyproject.toml allows) | make mutants (the checkers)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Runs made by tests and notebooks under `make test` go to a scratch folder, not the repository.
 TEST_RUNS ?= $(or $(TMPDIR),/tmp)/labkit-test-runs
 
-.PHONY: install lab test book clean bench test-browser test-floor
+.PHONY: install lab test book clean bench test-browser test-floor mutants
 
 install: $(STAMP)
 
@@ -110,3 +110,12 @@ test-browser: $(VENV)/.browser-installed
 
 clean:
 	rm -rf $(VENV) $(FLOOR) site runs notebooks/runs
+
+# The exercises' checkers under mutation testing (tools/mutants.py): every lesson's folded solution changed in one
+# small place at a time, each mutant run through its checker on real ranks (several hundred short launches, 20-30
+# min on 2 cores: not in make test), then tests/mutants.md and .json written from the results.
+MUTANTS ?= $(or $(TMPDIR),/tmp)/labkit-mutants
+mutants: install
+	rm -rf $(MUTANTS) && mkdir -p $(MUTANTS)
+	LABKIT_RUNS=$(MUTANTS)/runs $(BIN)/python tools/mutants.py run --out $(MUTANTS)
+	$(BIN)/python tools/mutants.py table $(MUTANTS) --write tests/mutants
