@@ -22,7 +22,7 @@ def test_forgotten_position_ids_barely_move_the_loss_while_the_logits_are_far_of
     got = ct.forgotten_position_ids(world=2, runs_root=runs_root)
     assert got["with_ids_logits_gap"] < 1e-5
     assert got["logits_gap"] > 0.1 and got["loss_gap"] < 0.05, got
-    assert got["logits_share"] > 10 * got["loss_share"], got   # each gap against its own scale
+    assert got["logits_rel"] > 10 * got["loss_rel"], got   # each gap against its own scale
 
 
 def test_gloo_cuts_through_a_head_without_a_word_and_labkit_refuses(runs_root, no_leftovers):

@@ -146,14 +146,14 @@ def forgotten_position_ids(world: int = 2, runs_root: Any = None) -> dict[str, f
     """A tiny GPT-2 split over `world` ranks, its forward run with and without position_ids:
     {"loss_gap": |loss without - one process's|, "logits_gap": largest logit error without them over all ranks,
     "with_ids_logits_gap": the same with them, "loss": one process's loss, "logits_scale": its largest |logit|,
-    "loss_share" and "logits_share": each gap as a share of its own scale, so that the two compare}."""
+    "loss_rel" and "logits_rel": each gap relative to its own scale, so that the two compare}."""
     run = launch(_positions_on_rank, world_size=world, timeout=60, echo=False, progress=False, runs_root=runs_root)
     got = [run.result(r) for r in range(world)]
     out = {"loss_gap": abs(got[0]["without_loss"] - got[0]["one_loss"]),
            "logits_gap": max(g["without_logits_gap"] for g in got),
            "with_ids_logits_gap": max(g["with_logits_gap"] for g in got),
            "loss": got[0]["one_loss"], "logits_scale": got[0]["logits_scale"]}
-    return {**out, "loss_share": out["loss_gap"] / out["loss"], "logits_share": out["logits_gap"] / out["logits_scale"]}
+    return {**out, "loss_rel": out["loss_gap"] / out["loss"], "logits_rel": out["logits_gap"] / out["logits_scale"]}
 
 
 def _heads_on_rank(ctx: Any) -> dict[str, Any]:
