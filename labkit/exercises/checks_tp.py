@@ -6,24 +6,27 @@
     MyColumnParallelLinear, MyRowParallelLinear = report.use(TP_REFERENCE)   # yours if they passed
 
 Both layers are built on every rank from the same unsharded nn.Linear and keep `weight` and `bias` (their part).
-The checker runs the MLP column -> GELU -> row on each rank on the same input and compares with the unsharded MLP
-in one process: the column layer's output (this rank's features), the MLP's output, the gradient of the input,
-and each kept weight's and bias's gradient against the matching slice of the unsharded one's.
+The checker runs a residual block, x + row(GELU(column(x))), on each rank on the same input: x is used twice, as in
+a transformer's residual stream, so a backward all-reduce that sums more than the column layer's own share of x's
+gradient shows. Each step is compared with the unsharded block in one process, and a step is checked only once the
+steps before it are right, so that a failure is blamed on the learner's function that made it:
 
-What is checked, and the mistakes told apart from what each rank computed:
-    runs         every rank finished (a collective that one rank skips hangs: reported, bounded by a timeout)
-    slices       the column layer's output on rank r is features r·k .. (r+1)·k of the unsharded output; another
-                 rank's slice, or a wrong shape, is named
-    output       equal on every rank to the unsharded MLP's; else: each rank's output is its partial sum (no
-                 all-reduce), or the bias counted world_size times (added on every rank before the all-reduce)
-    gradients    the input's gradient and every kept parameter's; else: the input gradient is each rank's part
-                 (the column layer's backward all-reduce is missing), or every gradient is world_size times too
-                 large (an all-reduce in the row layer's backward that should pass the gradient through)
+    runs         every rank finished (a raise names the rank, the function and its line; a hang each rank's place)
+    kept         each layer's weight and bias are this rank's slice of the unsharded layer's (in __init__); another
+                 rank's slice, the whole tensor or a wrong shape is named
+    column       the column layer's output is x @ weight.T + bias of the rows it keeps (its forward)
+    output       the row layer's output is the sum over the ranks of their partial outputs plus the bias once (its
+                 forward): what it computed instead is said in those terms (its own partial sum, the bias counted
+                 world_size times, the sum taken twice, ...)
+    gradients    the row layer's input and parameter gradients (its forward's backward: the sum must pass the
+                 gradient through), then x's gradient (the column layer's backward must sum each rank's part, and
+                 only that: not the residual's share, not twice) and the column layer's parameters' gradients
 """
 from __future__ import annotations
 
 import copy
 import functools
+import sys
 from typing import Any
 
 import torch
@@ -31,8 +34,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..training.parallel.dispatchcount import DispatchCounter
-from .learner import learner_part, run_checked
+from ..training.parallel.dispatchcount import DispatchCounter, _kind
+from .learner import is_learners, learner_part, run_checked
 from .report import Report
 
 TOLERANCE = 1e-5
@@ -116,8 +119,57 @@ def _listed(t: Any) -> Any:
     return t.detach().tolist() if isinstance(t, torch.Tensor) else None
 
 
+class _Wire(DispatchCounter):
+    """Counts the collectives, and notes the learner's function each one was called from (innermost frame)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.places: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if _kind(func) is not None:
+            frame = sys._getframe(1)
+            while frame is not None and not is_learners(frame.f_code.co_filename):
+                frame = frame.f_back
+            if frame is not None and frame.f_code.co_qualname not in self.places:
+                self.places.append(frame.f_code.co_qualname)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _name(cls: Any, default: str) -> str:
+    return getattr(cls, "__name__", default)
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether `flag` is true on any rank (the checker's own all-reduce, outside the learner's code)."""
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _close(mine: Any, ref: torch.Tensor) -> bool:
+    return isinstance(mine, torch.Tensor) and mine.shape == ref.shape and torch.allclose(
+        mine.detach().float(), ref, atol=TOLERANCE)
+
+
+def _learner_call(ctx: Any, default: str, call: Any) -> Any:
+    """Run `call()` (autograd's backward, which runs the learner's hooks and Functions); a raise is noted under the
+    learner's function it came from (its innermost frame), or `default`."""
+    try:
+        return call()
+    except BaseException as exc:
+        tb, part = exc.__traceback__, default
+        while tb is not None:
+            if is_learners(tb.tb_frame.f_code.co_filename):
+                part = tb.tb_frame.f_code.co_qualname
+            tb = tb.tb_next
+        with learner_part(ctx, part):
+            raise
+
+
 def drive_tp(ctx: Any, column: type, row: type) -> dict[str, Any]:
-    """On each rank: the learner's column -> GELU -> row MLP against the unsharded MLP, on the same numbers."""
+    """On each rank: the learner's residual block x + row(GELU(column(x))) against the unsharded block, step by
+    step; every rank stops at the first step that is wrong on any rank (so that no later step runs on wrong input)."""
     gen = torch.Generator().manual_seed(3)
     torch.manual_seed(0)
     full = nn.Sequential(nn.Linear(SIZES[0], SIZES[1]), nn.GELU(), nn.Linear(SIZES[1], SIZES[2]))
@@ -125,137 +177,283 @@ def drive_tp(ctx: Any, column: type, row: type) -> dict[str, Any]:
         for p in full.parameters():
             p.normal_(0, 1, generator=gen)     # a bias far from zero: adding it twice shows
     x, grad_out = torch.randn(BATCH, SIZES[0], generator=gen), torch.randn(BATCH, SIZES[2], generator=gen)
+    world, k = ctx.world_size, SIZES[1] // ctx.world_size
+    mine = slice(ctx.rank * k, (ctx.rank + 1) * k)
+    # the unsharded block in one process: x is used twice (the column layer and the residual)
     ref_x = x.clone().requires_grad_()
     ref_hidden = full[0](ref_x)
-    full[2](F.gelu(ref_hidden)).backward(grad_out)
-    with learner_part(ctx, f"{getattr(column, '__name__', 'column layer')}.__init__"):
+    ref_hidden.retain_grad()
+    ref_h = F.gelu(ref_hidden)
+    ref_h.retain_grad()
+    ref_mlp = full[2](ref_h)
+    (ref_x + ref_mlp).backward(grad_out)
+    w0, b0, w2, b2 = (t.detach() for t in (full[0].weight, full[0].bias, full[2].weight, full[2].bias))
+    partial = ref_h.detach()[:, mine] @ w2[:, mine].T
+    out: dict[str, Any] = {
+        "rank": ctx.rank, "world": world, "stage": "init",
+        "full": {"column.weight": _listed(w0), "column.bias": _listed(b0), "row.weight": _listed(w2),
+                 "row.bias": _listed(b2)},
+        "ref": {"hidden": _listed(ref_hidden[:, mine]), "xw": _listed(x @ w0[mine].T), "out": _listed(ref_mlp),
+                "sum": _listed(ref_mlp - b2), "partial": _listed(partial), "h_grad": _listed(ref_h.grad[:, mine]),
+                "x_grad": _listed(ref_x.grad), "residual": _listed(grad_out),
+                "own_part": _listed(ref_hidden.grad[:, mine] @ w0[mine]), "sum_part": _listed(ref_x.grad - grad_out),
+                "column.weight": _listed(full[0].weight.grad[mine]), "column.bias": _listed(full[0].bias.grad[mine]),
+                "row.weight": _listed(full[2].weight.grad[:, mine]), "row.bias": _listed(full[2].bias.grad)}}
+    names = _name(column, "column layer"), _name(row, "row layer")
+    with learner_part(ctx, f"{names[0]}.__init__"):
         col = column(copy.deepcopy(full[0]))
-    with learner_part(ctx, f"{getattr(row, '__name__', 'row layer')}.__init__"):
+    with learner_part(ctx, f"{names[1]}.__init__"):
         rw = row(copy.deepcopy(full[2]))
+    kept = {"column": (col, w0[mine], b0[mine]), "row": (rw, w2[:, mine], b2)}
+    out["kept"] = {f"{layer}.{name}": _listed(getattr(mod, name, None))
+                   for layer, (mod, *_) in kept.items() for name in ("weight", "bias")}
+    if _any_rank(not all(_close(getattr(mod, "weight", None), w) and _close(getattr(mod, "bias", None), b)
+                         for mod, w, b in kept.values())):
+        return out
+    out["stage"] = "column"
     mine_x = x.clone().requires_grad_()
-    with DispatchCounter() as wire:
-        with learner_part(ctx, "forward"):
+    with _Wire() as wire:
+        with learner_part(ctx, f"{names[0]}.forward"):
             hidden = col(mine_x)
-            out = rw(F.gelu(hidden))
-        forward = wire.take()[0]
-        with learner_part(ctx, "backward"):
-            out.backward(grad_out)
-        backward = wire.take()[0]
-    return {"rank": ctx.rank, "world": ctx.world_size, "hidden": _listed(hidden), "out": _listed(out),
-            "x_grad": _listed(mine_x.grad), "forward_calls": forward, "backward_calls": backward,
-            "ref_hidden": _listed(ref_hidden), "ref_x_grad": _listed(ref_x.grad),
-            "grads": {f"{layer}.{name}": (_listed(getattr(getattr(mod, name, None), "grad", None)),
-                                          _listed(getattr(ref, name).grad))
-                      for layer, mod, ref in (("column", col, full[0]), ("row", rw, full[2]))
-                      for name in ("weight", "bias")},
-            "ref_out": _listed(full[2](F.gelu(full[0](x))).detach()), "partial_bias": _listed(full[2].bias)}
+    out.update(hidden=_listed(hidden), column_calls=wire.take()[0], column_places=wire.places)
+    if _any_rank(not _close(hidden, ref_hidden.detach()[:, mine])):
+        return out
+    out["stage"] = "row"
+    h = F.gelu(hidden)
+    h.retain_grad()
+    with _Wire() as wire:
+        with learner_part(ctx, f"{names[1]}.forward"):
+            mlp = rw(h)
+    out.update(out=_listed(mlp), row_calls=wire.take()[0], row_places=wire.places)
+    if _any_rank(not _close(mlp, ref_mlp.detach())):
+        return out
+    out["stage"] = "backward"
+    with _Wire() as wire:
+        _learner_call(ctx, "backward", lambda: (mine_x + mlp).backward(grad_out))
+    out.update(backward_calls=wire.take()[0], backward_places=wire.places, h_grad=_listed(h.grad),
+               x_grad=_listed(mine_x.grad),
+               grads={f"{layer}.{name}": _listed(getattr(getattr(mod, name, None), "grad", None))
+                      for layer, (mod, *_) in kept.items() for name in ("weight", "bias")})
+    out["stage"] = "done"
+    return out
 
 
 def check_tp(column: type, row: type, *, world_size: int = 2, timeout: float = 30.0, runs_root: Any = None) -> Report:
-    """Run the MLP `column` -> GELU -> `row` on `world_size` gloo ranks against the unsharded MLP and report what is
-    right and wrong with the two layers:  check_tp(*TP_REFERENCE).ok."""
+    """Run the residual block x + `row`(GELU(`column`(x))) on `world_size` gloo ranks against the unsharded block
+    and report what is right and wrong with the two layers:  check_tp(*TP_REFERENCE).ok."""
     layers = Layers(column, row)
-    report = Report(f"{layers.__name__}: a column -> row MLP on {world_size} gloo ranks", implementation=layers)
+    report = Report(f"{layers.__name__}: a residual column -> row MLP on {world_size} gloo ranks",
+                    implementation=layers)
     got = run_checked(report, functools.partial(drive_tp, column=column, row=row), world_size=world_size,
                       timeout=timeout, name="check-tp", runs_root=runs_root)
     if got is None:
         return report
     report.add("runs", "pass", f"every rank finished on {world_size} ranks")
-    report.measured.update(forward_allreduces=got[0]["forward_calls"], backward_allreduces=got[0]["backward_calls"])
-    if _slices(report, got) and _output(report, got):
-        _gradients(report, got)
+    names = _name(column, "column layer"), _name(row, "row layer")
+    if (_kept(report, got, names) and _column(report, got, names) and _row(report, got, names)
+            and _gradients(report, got, names)):
+        report.measured.update(forward_allreduces=got[0]["column_calls"] + got[0]["row_calls"],
+                               backward_allreduces=got[0]["backward_calls"])
     return report
 
 
-def _slices(report: Report, got: list[dict[str, Any]]) -> bool:
-    """The column layer's output on each rank against each rank's slice of the unsharded hidden features."""
-    ref = torch.tensor(got[0]["ref_hidden"])
-    world, k = len(got), ref.shape[1] // len(got)
+def _t(value: Any) -> torch.Tensor | None:
+    return torch.tensor(value) if value is not None else None
+
+
+def _where(part: str, places: list[str]) -> str:
+    """`part`, and the learner's other functions its collectives were called from (a helper it calls)."""
+    others = [p for p in places if p != part and not part.endswith("." + p)]
+    return part + "".join(f" → {p}" for p in others)
+
+
+def _fit(target: torch.Tensor, bases: dict[str, torch.Tensor]) -> dict[str, float] | None:
+    """The coefficients c with target = sum of c[name]·bases[name] (each rounded to 3 decimals), if it is one."""
+    a = torch.stack([b.reshape(-1).double() for b in bases.values()], 1)
+    y = target.reshape(-1).double()
+    if not a.shape[0] or y.shape[0] != a.shape[0]:
+        return None
+    c = torch.linalg.lstsq(a, y[:, None]).solution[:, 0]
+    if (a @ c - y).abs().max().item() > 1e-3 * max(1.0, y.abs().max().item()):
+        return None
+    return {name: round(v, 3) + 0.0 for name, v in zip(bases, c.tolist())}
+
+
+def _said(coeffs: dict[str, float]) -> str:
+    terms = [f"{v:g}·({name})" for name, v in coeffs.items() if abs(v) > 1e-6]
+    return " + ".join(terms).replace("+ -", "- ") or "0"
+
+
+def _kept(report: Report, got: list[dict[str, Any]], names: tuple[str, str]) -> bool:
+    """Each layer's weight and bias on each rank against this rank's slice of the unsharded layer's."""
     for r in got:
-        hidden = torch.tensor(r["hidden"]) if r["hidden"] is not None else None
-        if hidden is None or hidden.shape != (ref.shape[0], k):
-            shape = None if hidden is None else tuple(hidden.shape)
-            report.add("slices", "fail", f"the column layer on rank {r['rank']} returned shape {shape}, expected "
-                       f"{(ref.shape[0], k)}: keep out_features // world_size rows of the weight and of the bias")
+        world, rank = r["world"], r["rank"]
+        for key in ("column.weight", "column.bias", "row.weight", "row.bias"):
+            layer, name = key.split(".")
+            part = f"{names[layer == 'row']}.__init__"
+            full, mine = _t(r["full"][key]), _t(r["kept"][key])
+            dim = 1 if key == "row.weight" else None if key == "row.bias" else 0
+            slices = [full if dim is None else full.narrow(dim, s * full.shape[dim] // world,
+                                                           full.shape[dim] // world) for s in range(world)]
+            want = slices[0] if dim is None else slices[rank]
+            if mine is not None and mine.shape == want.shape and torch.allclose(mine, want, atol=TOLERANCE):
+                continue
+            what = {0: "rows", 1: "columns", None: "the whole"}[dim]
+            should = (f"the whole {name} ({tuple(full.shape)})" if dim is None else
+                      f"{what} {rank}·k .. {rank + 1}·k of the unsharded {name} (k = {full.shape[dim] // world}, "
+                      f"shape {tuple(want.shape)})")
+            if mine is None:
+                said = f"it keeps no tensor named {name}: the exercise asks for nn.Linear's names (weight, bias)"
+            elif mine.shape == full.shape and torch.allclose(mine, full, atol=TOLERANCE):
+                said = f"it keeps the whole unsharded {name}"
+            elif mine.shape != want.shape:
+                said = f"it keeps a {name} of shape {tuple(mine.shape)}"
+            else:
+                owners = [s for s, sl in enumerate(slices) if torch.allclose(mine, sl, atol=TOLERANCE)]
+                said = (f"it keeps rank {owners[0]}'s {what} of the {name}" if owners
+                        else f"its {name} is no rank's slice of the unsharded one")
+            report.add("kept", "fail", f"the {layer} layer on rank {rank}: {said}; rank {rank} keeps {should}",
+                       part=part)
             return False
-        owners = [s for s in range(world) if torch.allclose(hidden, ref[:, s * k:(s + 1) * k], atol=TOLERANCE)]
-        if r["rank"] not in owners:
-            said = (f"it computed rank {owners[0]}'s features" if owners else "its output is no rank's slice")
-            report.add("slices", "fail", f"wrong slice on rank {r['rank']}: {said}; rank r keeps rows r·k .. (r+1)·k "
-                       f"of the weight and bias (k = {k}, use dist.get_rank())")
-            return False
-    report.add("slices", "pass", f"each rank's column layer computed its own {k} of the {ref.shape[1]} features")
+    report.add("kept", "pass", "each rank's layers keep their own slice of the unsharded weights and biases")
     return True
 
 
-def _output(report: Report, got: list[dict[str, Any]]) -> bool:
-    """The MLP's output on every rank against the unsharded MLP's; the usual mistakes told apart."""
-    ref, bias = torch.tensor(got[0]["ref_out"]), torch.tensor(got[0]["partial_bias"])
-    outs = [torch.tensor(r["out"]) if r["out"] is not None else None for r in got]
-    if any(o is None or o.shape != ref.shape for o in outs):
-        report.add("output", "fail", f"the row layer's output has shape {[None if o is None else tuple(o.shape) for o in outs]}, "
-                   f"expected {tuple(ref.shape)} on every rank")
+def _column(report: Report, got: list[dict[str, Any]], names: tuple[str, str]) -> bool:
+    """The column layer's output on each rank against x @ weight.T + bias of the rows it keeps."""
+    part = f"{names[0]}.forward"
+    for r in got:
+        if r["stage"] != "column":
+            continue
+        ref, hidden = _t(r["ref"]["hidden"]), _t(r["hidden"])
+        where = _where(part, r["column_places"])
+        if hidden is None or hidden.shape != ref.shape:
+            report.add("column", "fail", f"on rank {r['rank']} it returned "
+                       f"{'no tensor' if hidden is None else 'shape ' + str(tuple(hidden.shape))}, expected "
+                       f"{tuple(ref.shape)}: this rank's output features, x @ weight.T + bias", part=where)
+            return False
+        bias = _t(r["full"]["column.bias"]).reshape(r["world"], -1)[r["rank"]].expand_as(ref)
+        fit = _fit(hidden, {"x @ weight.T": _t(r["ref"]["xw"]), "bias": bias})
+        said = f"it computed {_said(fit)}" if fit else \
+            f"it differs from x @ weight.T + bias by up to {(hidden - ref).abs().max().item():.2g}"
+        calls = f" ({r['column_calls']} collective(s) ran in it)" if r["column_calls"] else ""
+        report.add("column", "fail", f"rank {r['rank']}'s output features are wrong although the layer keeps the "
+                   f"right rows: {said}{calls}; the forward is F.linear(x, weight, bias), with no collective",
+                   part=where)
         return False
-    worst = max((o - ref).abs().max().item() for o in outs)
-    report.measured["output_error"] = worst
-    if worst <= TOLERANCE:
-        report.add("output", "pass", f"every rank's output equals the unsharded MLP's (largest difference {worst:.1e})")
+    report.add("column", "pass", "each rank's column layer computed its own features of the unsharded output")
+    return True
+
+
+def _row(report: Report, got: list[dict[str, Any]], names: tuple[str, str]) -> bool:
+    """The row layer's output on each rank (given the right input) against the sum of the ranks' partial outputs
+    plus the bias once; what it computed instead is said in those terms."""
+    part = f"{names[1]}.forward"
+    bad = [r for r in got if r["stage"] == "row"]
+    if not bad:
+        report.add("output", "pass", "every rank's output equals the unsharded MLP's")
         return True
-    world = len(got)
-    if all(torch.allclose(o, ref + (world - 1) * bias, atol=1e-4) for o in outs):
-        why = (f"the bias is counted {world} times: each rank added it before the all-reduce summed the ranks' "
-               "outputs; add it once, after the sum")
-    elif torch.allclose(sum(outs) - (world - 1) * bias, ref, atol=1e-4) or got[0]["forward_calls"] == 0:
-        why = ("each rank's output is its own partial sum (no all-reduce in forward): the row layer must sum "
-               "the ranks' partial outputs with dist.all_reduce, then add the bias")
-    else:
-        why = f"the output differs from the unsharded MLP's by up to {worst:.2g}"
-    report.add("output", "fail", why)
+    world = got[0]["world"]
+    for r in bad:
+        ref, mine = _t(r["ref"]["out"]), _t(r["out"])
+        where = _where(part, r["row_places"])
+        if mine is None or mine.shape != ref.shape:
+            report.add("output", "fail", f"on rank {r['rank']} it returned "
+                       f"{'no tensor' if mine is None else 'shape ' + str(tuple(mine.shape))}, expected "
+                       f"{tuple(ref.shape)} (every output feature, on every rank)", part=where)
+            return False
+        if torch.allclose(mine, ref, atol=TOLERANCE):
+            continue
+        bias = _t(r["full"]["row.bias"]).expand_as(ref)
+        fit = _fit(mine, {"the sum over the ranks of their partial outputs": _t(r["ref"]["sum"]),
+                          "this rank's own partial output": _t(r["ref"]["partial"]), "the bias": bias})
+        calls = r["row_calls"]
+        ran = "no collective ran in it" if not calls else f"{calls} collective(s) ran in it"
+        if fit and fit == {**dict.fromkeys(fit, 0.0), "this rank's own partial output": 1.0, "the bias": 1.0}:
+            why = (f"rank {r['rank']}'s output is its own partial sum ({ran}): the row layer must sum the ranks' "
+                   "partial outputs (dist.all_reduce), then add the bias")
+        elif fit and list(fit.values()) == [1.0, 0.0, float(world)]:
+            why = (f"the bias is counted {world} times: each rank added it before the all-reduce summed the ranks' "
+                   "outputs; add it once, after the sum")
+        elif fit:
+            why = (f"rank {r['rank']}'s output is {_said(fit)} ({ran}), although its input and its kept weight "
+                   "are right; it must be 1·(the sum over the ranks of their partial outputs) + 1·(the bias)")
+        else:
+            why = (f"rank {r['rank']}'s output differs from the sum over the ranks of their partial outputs plus "
+                   f"the bias by up to {(mine - ref).abs().max().item():.2g} and is no combination of the partial "
+                   f"outputs and the bias ({ran}), although its input and its kept weight are right")
+        report.add("output", "fail", why, part=where)
+        return False
+    report.add("output", "fail", "the output was wrong on another rank", part=part)
     return False
 
 
-def _gradients(report: Report, got: list[dict[str, Any]]) -> None:
-    """The input's gradient and each kept parameter's gradient against the unsharded MLP's (the matching slice)."""
-    world = len(got)
-    ref_x = torch.tensor(got[0]["ref_x_grad"])
-    xs = [torch.tensor(r["x_grad"]) if r["x_grad"] is not None else None for r in got]
-    if any(x is None for x in xs):
-        report.add("gradients", "fail", "the input has no gradient: keep the layers in autograd's graph")
-        return
-    worst, ratios = {}, {}
+def _ratio(mine: torch.Tensor, ref: torch.Tensor) -> float | None:
+    fit = _fit(mine, {"ref": ref})
+    return fit["ref"] if fit else None
+
+
+def _gradients(report: Report, got: list[dict[str, Any]], names: tuple[str, str]) -> bool:
+    """The row layer's gradients (its input's, its weight's and bias's), then x's and the column layer's."""
+    column, row = f"{names[0]}.forward", f"{names[1]}.forward"
+    world = got[0]["world"]
     for r in got:
-        k = SIZES[1] // world
-        part = slice(r["rank"] * k, (r["rank"] + 1) * k)
-        for name, (mine, ref) in r["grads"].items():
+        rank, ref = r["rank"], r["ref"]
+        places = r["backward_places"]
+        for key, label in (("h_grad", "the gradient of the row layer's input"), ("row.weight", "row.weight's"),
+                           ("row.bias", "row.bias's")):
+            mine, want = _t(r["h_grad"] if key == "h_grad" else r["grads"][key]), _t(ref[key])
+            if mine is not None and mine.shape == want.shape and torch.allclose(mine, want, atol=TOLERANCE):
+                continue
             if mine is None:
-                report.add("gradients", "fail", f"{name} has no gradient on rank {r['rank']}: keep it as a "
-                           "parameter named like nn.Linear's (weight, bias)")
-                return
-            ref = torch.tensor(ref)
-            ref = ref[:, part] if name == "row.weight" else ref if name == "row.bias" else ref[part]
-            mine = torch.tensor(mine)
-            if mine.shape != ref.shape:
-                report.add("gradients", "fail", f"{name} on rank {r['rank']} has shape {tuple(mine.shape)}, "
-                           f"expected {tuple(ref.shape)}")
-                return
-            worst[name] = max(worst.get(name, 0.0), (mine - ref).abs().max().item())
-            ratios[name] = (mine.abs().sum() / max(ref.abs().sum().item(), 1e-12)).item()
-    report.measured["param_grad_error"] = max(worst.values())
-    x_error = max((x - ref_x).abs().max().item() for x in xs)
-    report.measured["input_grad_error"] = x_error
-    if all(abs(ratio - world) < 0.05 * world for ratio in ratios.values()):
-        report.add("gradients", "fail", f"every parameter's gradient is {world} times too large: the row layer's "
-                   "all-reduce must pass the gradient through unchanged in backward (Megatron's g), not sum it")
-    elif x_error > TOLERANCE:
-        summed = torch.allclose(sum(xs), ref_x, atol=1e-4)
-        report.add("gradients", "fail", "the input's gradient on each rank is its own part"
-                   + (" (their sum is the right one)" if summed else "")
-                   + ": the column layer's backward must all-reduce it (a hook on its input, or an autograd Function: "
-                   "the input as it is in forward, dist.all_reduce of its gradient in backward)")
-    elif max(worst.values()) > TOLERANCE:
-        wrong = ", ".join(name for name, error in worst.items() if error > TOLERANCE)
-        report.add("gradients", "fail", f"the gradients of {wrong} differ from the matching slice of the unsharded "
-                   f"MLP's (largest difference {max(worst.values()):.2g})")
-    else:
-        report.add("gradients", "pass", f"the input's and every kept weight's and bias's gradient match the unsharded "
-                   f"MLP's (input: largest difference {x_error:.1e})")
+                said = f"{label} gradient is missing: keep the layer's parameters and its sum in autograd's graph"
+            else:
+                k = _ratio(mine, want) if mine.shape == want.shape else None
+                said = (f"{label} gradient is {k:g}× the unsharded one's" if k is not None else
+                        f"{label} gradient differs from the unsharded one's by up to "
+                        f"{(mine - want).abs().max().item():.2g}" if mine.shape == want.shape else
+                        f"{label} gradient has shape {tuple(mine.shape)}, expected {tuple(want.shape)}")
+            report.add("gradients", "fail", f"on rank {rank}, {said}: the row layer's sum must pass the gradient "
+                       "through unchanged in backward (Megatron's g), and its own part of the output is "
+                       "F.linear(x, weight)", part=_where(row, places))
+            return False
+        mine_x = _t(r["x_grad"])
+        if mine_x is None:
+            report.add("gradients", "fail", "x has no gradient: keep the column layer in autograd's graph",
+                       part=column)
+            return False
+        if not torch.allclose(mine_x, _t(ref["x_grad"]), atol=TOLERANCE):
+            fit = _fit(mine_x, {"the residual's gradient": _t(ref["residual"]), "this rank's part": _t(ref["own_part"]),
+                                "every rank's part, summed": _t(ref["sum_part"])})
+            res, own, total = fit.values() if fit else (None, None, None)
+            if fit and (res, own, total) == (1.0, 1.0, 0.0):
+                why = ("x's gradient on each rank has only its own part of the column layer's: the column layer's "
+                       "backward must sum it over the ranks (a hook on a node of its own, or an autograd Function: "
+                       "the input as it is in forward, dist.all_reduce of its gradient in backward)")
+            elif fit and (res, own, total) == (float(world), 0.0, 1.0):
+                why = (f"x's gradient is {_said(fit)}: the all-reduce summed x's whole gradient, the residual's "
+                       f"share too (off by {world - 1}× the residual's gradient). The hook sits on x itself: hook "
+                       "a node of the layer's own (x.view_as(x)), or use an autograd Function, so that only this "
+                       "layer's share is summed")
+            elif fit:
+                why = (f"x's gradient is {_said(fit)}; the unsharded block's is 1·(the residual's gradient) + "
+                       "1·(every rank's part, summed): the column layer's backward must sum its own share of x's "
+                       "gradient over the ranks once")
+            else:
+                why = (f"x's gradient differs from the unsharded block's by up to "
+                       f"{(mine_x - _t(ref['x_grad'])).abs().max().item():.2g}, and is no combination of the "
+                       "residual's gradient and the ranks' parts")
+            report.add("gradients", "fail", f"on rank {rank}, {why}", part=_where(column, places))
+            return False
+        for key in ("column.weight", "column.bias"):
+            mine, want = _t(r["grads"][key]), _t(ref[key])
+            if mine is None or mine.shape != want.shape or not torch.allclose(mine, want, atol=TOLERANCE):
+                k = _ratio(mine, want) if mine is not None and mine.shape == want.shape else None
+                said = "is missing" if mine is None else f"is {k:g}× the unsharded one's" if k is not None else \
+                    "differs from the unsharded one's"
+                report.add("gradients", "fail", f"on rank {rank}, {key}'s gradient {said} although the gradient "
+                           "reaching the column layer's output is right", part=_where(column, places))
+                return False
+    report.add("gradients", "pass", "the row layer's input, x (through the residual and the column layer) and every "
+               "kept weight and bias get the unsharded block's gradient")
+    return True
