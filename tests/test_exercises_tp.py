@@ -105,10 +105,11 @@ def test_the_reference_passes(runs_root, no_leftovers):
 
 
 def test_planted_mistakes_are_named(runs_root, no_leftovers):
-    for column, row, words in [(ColumnParallelLinear, RowWithoutAllReduce, "its own partial sum (no collective ran in it)"),
-                               (ColumnParallelLinear, RowBiasOnEveryRank, "the bias is counted 2 times"),
-                               (ColumnRankZerosSlice, RowParallelLinear, "rank 1: it keeps rank 0's rows"),
-                               (ColumnWithoutBackwardAllReduce, RowParallelLinear, "backward must sum it over the ranks")]:
+    for column, row, words in [
+            (ColumnParallelLinear, RowWithoutAllReduce, "its own partial sum (no collective ran in it)"),
+            (ColumnParallelLinear, RowBiasOnEveryRank, "the bias is counted 2 times"),
+            (ColumnRankZerosSlice, RowParallelLinear, "rank 1: it keeps rank 0's rows"),
+            (ColumnWithoutBackwardAllReduce, RowParallelLinear, "backward must sum it over the ranks")]:
         report = ex.check_tp(column, row, runs_root=runs_root)
         assert not report.ok and words in report.text(), (column.__name__, row.__name__, report.text())
 
@@ -116,7 +117,8 @@ def test_planted_mistakes_are_named(runs_root, no_leftovers):
 def test_each_failure_blames_the_function_that_made_it_and_names_the_cause(runs_root, no_leftovers):
     for column, row, blamed, words in [
             (ColumnHookOnX, RowParallelLinear, "ColumnHookOnX.forward → summed", "The hook sits on x itself"),
-            (ColumnHookTwice, RowParallelLinear, "ColumnHookTwice.forward → summed", "2·(every rank's part, summed)"),
+            (ColumnHookTwice, RowParallelLinear, "ColumnHookTwice.forward → summed",
+             "2·(every rank's part, summed)"),
             (ColumnHookRaises, RowParallelLinear, "ColumnHookRaises.forward.<locals>.broken_hook", "ValueError"),
             (ColumnParallelLinear, RowSummedTwice, "RowSummedTwice.forward → summed",
              "2·(the sum over the ranks of their partial outputs) + 1·(the bias)"),

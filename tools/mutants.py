@@ -83,7 +83,19 @@ def _checkers() -> dict[str, Checker]:
 
 
 # Survivors that compute what the solution computes (id -> why), so that no checker could fail them.
-EQUIVALENT: dict[str, str] = {}
+EQUIVALENT: dict[str, str] = {
+    # tp, a2a
+    "MyColumnParallelLinear.__init__:13:8:double:super().__init__(); super().__init__()":
+        "nn.Module.__init__ run twice before anything is assigned: the second makes the same empty module",
+    "MyRowParallelLinear.__init__:31:8:double:super().__init__(); super().__init__()":
+        "nn.Module.__init__ run twice before anything is assigned: the second makes the same empty module",
+    "dispatch:9:4:double:dist.all_to_all_single(recv, send); dist":
+        "the counts' all_to_all_single run twice writes the same counts into recv again (same sizes on every rank)",
+    "dispatch:12:4:double:dist.all_to_all_single(received, tokens[":
+        "the rows' all_to_all_single run twice writes the same rows into received again",
+    "combine:20:4:double:dist.all_to_all_single(back, processed, ":
+        "the reverse all_to_all_single run twice writes the same rows into back again",
+}
 
 
 def solution_source(checker: Checker) -> str:
