@@ -113,14 +113,17 @@ def _any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
-def _judge_dispatch(received: Any, want: torch.Tensor) -> dict[str, Any]:
+def _judge_dispatch(received: Any, want: torch.Tensor, every: torch.Tensor) -> dict[str, Any]:
     if not isinstance(received, torch.Tensor) or received.dim() != 2 or received.shape[1] != want.shape[1]:
         shape = list(received.shape) if isinstance(received, torch.Tensor) else type(received).__name__
-        return {"rows": 0, "expected": len(want), "lost": len(want), "foreign": 0, "shape": shape, "ok": False}
+        return {"rows": 0, "expected": len(want), "lost": len(want), "foreign": 0, "alien": 0, "shape": shape,
+                "ok": False}
     got, expected = _keys(received.detach().float()), _keys(want)
     lost = len([k for k in expected if k not in got])
     foreign = len([k for k in got if k not in expected])
+    tokens = set(_keys(every))
     return {"rows": len(got), "expected": len(expected), "lost": lost, "foreign": foreign,
+            "alien": len([k for k in got if k not in tokens]),
             "shape": list(received.shape), "ok": not lost and not foreign and len(got) == len(expected)}
 
 
@@ -141,11 +144,11 @@ def drive_a2a(ctx: Any, pair: Pair) -> dict[str, Any]:
     for probe in ("even", "uneven"):
         tokens, expert, n_experts = probe_tokens(probe, ctx.rank, ctx.world_size)
         mine = range(ctx.rank * 2, ctx.rank * 2 + 2)
-        want = torch.cat([t[torch.isin(e, torch.tensor(list(mine)))] for t, e, _ in
-                          (probe_tokens(probe, r, ctx.world_size) for r in range(ctx.world_size))])
+        everyone = [probe_tokens(probe, r, ctx.world_size) for r in range(ctx.world_size)]
+        want = torch.cat([t[torch.isin(e, torch.tensor(list(mine)))] for t, e, _ in everyone])
         with learner_part(ctx, pair.names[0]):
             received, plan = pair.dispatch(tokens.clone(), expert.clone(), n_experts)
-        result = _judge_dispatch(received, want)
+        result = _judge_dispatch(received, want, torch.cat([t for t, _, _ in everyone]))
         out[probe] = result
         Path(ctx.run_dir, f"a2a_{probe}_dispatch{ctx.rank}.json").write_text(json.dumps(result))
         if _any_rank(not result["ok"]):
@@ -226,9 +229,14 @@ def check_a2a(dispatch: Callable, combine: Callable, *, worlds: tuple[int, ...] 
         else:
             said = (f"received {c['rows']} rows where {c['expected']} were meant for its experts "
                     f"({c['lost']} of those missing, {c['foreign']} not meant for it)")
-        hint = (" The counts were right but not the rows: all_to_all_single sends consecutive chunks, one per rank, "
-                "so the rows must be sorted by expert (so by owner rank) before they are sent" if
-                c["rows"] == c["expected"] else "")
+        if c["alien"]:
+            hint = (f" {c['alien']} of the rows it returned are no rank's tokens at all: what dispatch returns must be "
+                    "the rows it received from the other ranks")
+        elif c["rows"] == c["expected"]:
+            hint = (" The number of rows was right but not the rows: all_to_all_single sends consecutive chunks, one "
+                    "per rank, so the rows must be sorted by expert (so by owner rank) before they are sent")
+        else:
+            hint = ""
         report.add("dispatch", "fail", f"tokens lost: on {w} ranks ({p}), rank {r} {said}. Each row must reach the "
                    "rank owning its expert (expert e on rank e // (n_experts // world_size))." + hint,
                    part=pair.names[0])
