@@ -40,7 +40,7 @@ def unsorted_dispatch(tokens, expert_of_token, n_experts):
 
 def combine_same_sizes(processed, plan):
     """Combine assumes each rank gets back what it sent: right on "even", broken on "uneven"."""
-    order, send, recv = plan
+    order, _, recv = plan
     back = processed.new_empty(sum(recv), processed.shape[1])
     dist.all_to_all_single(back, processed, recv, recv)
     out = torch.empty_like(back)
@@ -50,7 +50,7 @@ def combine_same_sizes(processed, plan):
 
 def combine_raises_on_uneven(processed, plan):
     """The issue's case: a failure inside combine, on "uneven" only, which must not be blamed on dispatch."""
-    order, send, recv = plan
+    _, send, recv = plan
     if sum(send) != sum(recv):
         raise ValueError("combine cannot handle this")
     return ex.a2a_combine(processed, plan)

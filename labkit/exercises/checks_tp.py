@@ -212,18 +212,16 @@ def drive_tp(ctx: Any, column: type, row: type) -> dict[str, Any]:
         return out
     out["stage"] = "column"
     mine_x = x.clone().requires_grad_()
-    with _Wire() as wire:
-        with learner_part(ctx, f"{names[0]}.forward"):
-            hidden = col(mine_x)
+    with _Wire() as wire, learner_part(ctx, f"{names[0]}.forward"):
+        hidden = col(mine_x)
     out.update(hidden=_listed(hidden), column_calls=wire.take()[0], column_places=wire.places)
     if _any_rank(not _close(hidden, ref_hidden.detach()[:, mine])):
         return out
     out["stage"] = "row"
     h = F.gelu(hidden)
     h.retain_grad()
-    with _Wire() as wire:
-        with learner_part(ctx, f"{names[1]}.forward"):
-            mlp = rw(h)
+    with _Wire() as wire, learner_part(ctx, f"{names[1]}.forward"):
+        mlp = rw(h)
     out.update(out=_listed(mlp), row_calls=wire.take()[0], row_places=wire.places)
     if _any_rank(not _close(mlp, ref_mlp.detach())):
         return out
