@@ -47,9 +47,16 @@ def build_checknet(seed: int) -> CheckNet:
     return CheckNet()
 
 
+def global_batch_for(world_size: int) -> int:
+    """The checkers' global batch on `world_size` ranks: GLOBAL_BATCH, or the next multiple of the world size (9 rows
+    on 3 ranks), so that every rank gets the same number of rows:  global_batch_for(3) -> 9."""
+    return -(-GLOBAL_BATCH // world_size) * world_size
+
+
 def check_batch(step: int, rank: int, world_size: int, global_batch: int = GLOBAL_BATCH) -> tuple[torch.Tensor,
                                                                                                     torch.Tensor]:
-    """Rank `rank`'s rows of step `step`'s global batch (all of it for world_size=1): (inputs, targets)."""
+    """Rank `rank`'s rows of step `step`'s global batch (all of it for world_size=1): (inputs, targets). The
+    checkers pass global_batch=global_batch_for(world_size), and the same to their one-process reference."""
     if global_batch % world_size:
         raise ValueError(f"global_batch = {global_batch} does not split over world_size = {world_size}: "
                          "pick a batch that is a multiple of the world size")

@@ -23,7 +23,7 @@ from ..measure import usable_cores
 from .ddp_rank import drive_ddp
 from .learner import run_checked
 from .report import Report
-from .traffic import check_buckets, check_overlap, check_traffic
+from .traffic import check_buckets, check_overlap, check_traffic, sync_events
 
 RTOL, ATOL = 1e-4, 1e-6
 
@@ -52,10 +52,19 @@ def check_ddp(wrapper_cls: Any, *, world_size: int = 2, steps: int = 3, overlap:
     return report
 
 
+def init_part(outcomes: list[dict[str, Any]]) -> str:
+    return f"{outcomes[0]['class']}.__init__"
+
+
+def finish_part(outcomes: list[dict[str, Any]]) -> str:
+    return f"{outcomes[0]['class']}.finish_gradient_synchronization"
+
+
 def check_broadcast(report: Report, outcomes: list[dict[str, Any]]) -> None:
     """After construction every rank must hold rank 0's initial parameters, frozen ones included."""
     rank0_init = outcomes[0]["own_init"]
     frozen = {row["name"] for row in outcomes[0]["params"] if not row["requires_grad"]}
+    part = init_part(outcomes)
     for out in outcomes[1:]:
         differing = {name: (t - outcomes[0]["after_init"][name]).abs().max().item()
                      for name, t in out["after_init"].items() if not torch.equal(t, outcomes[0]["after_init"][name])}
@@ -65,21 +74,99 @@ def check_broadcast(report: Report, outcomes: list[dict[str, Any]]) -> None:
         if set(differing) <= frozen:
             report.add("broadcast", "fail", f"after construction rank {out['rank']}'s frozen "
                        f"{_names(differing)} (requires_grad=False) differs from rank 0's by up to {worst:.3g}: "
-                       "broadcast every parameter, not only the trained ones")
+                       "broadcast every parameter, not only the trained ones", part=part)
         else:
             report.add("broadcast", "fail", f"after construction rank {out['rank']}'s weights differ from rank "
                        f"0's in {len(differing)} of {len(rank0_init)} tensors (by up to {worst:.3g}): broadcast "
-                       "rank 0's parameters in the constructor")
+                       "rank 0's parameters in the constructor", part=part)
         return
     moved = {name: (t - rank0_init[name]).abs().max().item() for name, t in outcomes[0]["after_init"].items()
              if not torch.equal(t, rank0_init[name])}
     if moved:
+        others = [o["rank"] for o in outcomes[1:] if all(torch.equal(t, o["own_init"][n])
+                                                         for n, t in outcomes[0]["after_init"].items())]
+        source = f"rank {others[0]}'s initial weights (broadcast from src={others[0]}?)" if others else \
+            "no rank's initial weights (the ranks' values were combined?)"
         report.add("broadcast", "fail", f"all ranks agree after construction, but not on rank 0's initial weights "
-                   f"({len(moved)} tensors moved, by up to {max(moved.values()):.3g}): "
-                   "send rank 0's values (broadcast from src=0), do not combine the ranks' values")
+                   f"({len(moved)} tensors moved, by up to {max(moved.values()):.3g}); they hold {source}: "
+                   "send rank 0's values (broadcast from src=0)", part=part)
         return
     report.add("broadcast", "pass", f"after construction every rank holds rank 0's initial parameters, bitwise "
                f"({len(rank0_init)} tensors, the frozen one included)")
+
+
+def gradient_part(outcomes: list[dict[str, Any]], step: int, kind: str) -> str:
+    """The learner's function to blame for a gradient of kind `kind` at `step`: for a wrong scale, the function
+    that made the step's collectives (the division belongs beside them); for a gradient no collective carried,
+    the hooks' registration (constructor) if hooks send the others, else finish_gradient_synchronization; for
+    values copied back wrong, finish_gradient_synchronization."""
+    callers = [e.get("caller", "") for e in sync_events(outcomes[0], step) if e.get("caller")]
+    callers += [e["caller"] for e in outcomes[0].get("p2p", []) if e["step"] == step and e.get("caller")]
+    made = max(set(callers), key=callers.count) if callers else ""
+    hooks = outcomes[0].get("hooks", [])
+    if kind in ("summed", "twice", "scaled", "max", "one rank"):
+        return made or (hooks[0] if hooks else finish_part(outcomes))
+    if kind in ("local", "unsent"):
+        return init_part(outcomes) if hooks and callers else (made or (hooks[0] if hooks else finish_part(outcomes)))
+    return finish_part(outcomes)
+
+
+def diagnose(grad: torch.Tensor, ref: torch.Tensor, locals_: list[torch.Tensor], rank: int, world: int,
+             name: str, order: list[torch.Tensor]) -> tuple[str, str]:
+    """(kind, sentence) for a wrong gradient: which simple combination of the ranks' own gradients it is."""
+    ratio = (grad * ref).sum().item() / max((ref * ref).sum().item(), 1e-30)
+    head = f"rank {rank}'s gradient of {name} is {ratio:.3f}× the single-process gradient"
+    stacked = torch.stack(locals_)
+    if _close(grad, ref * world):
+        return "summed", (f"gradients are summed, not averaged: rank {rank}'s grad of {name} is {ratio:.3f}× the "
+                          f"single-process grad (divide by the world size, {world})")
+    if _close(grad, ref / world):
+        return "twice", (f"{head}: 1/{world} of the average, which was divided by the world size ({world}) once "
+                         "more than needed (sum over the ranks, then divide once)")
+    if _close(grad, locals_[rank]):
+        return "local", (f"{name} was not averaged: rank {rank}'s gradient is still the gradient of its own rows; "
+                         "every trained parameter's gradient must be all-reduced")
+    if _close(grad, locals_[rank] / world):
+        return "unsent", (f"{head}: its own rows' gradient divided by the world size ({world}), never summed over "
+                          "the ranks: no collective carried it")
+    for other in range(world):
+        if other != rank and (_close(grad, locals_[other]) or _close(grad, locals_[other] / world)):
+            divided = "" if _close(grad, locals_[other]) else f" / {world}"
+            return "one rank", (f"{head}: it is rank {other}'s own gradient{divided}, not the average over all "
+                                "ranks (a value sent from one rank, not summed)")
+    for op, value in (("maximum", stacked.max(0).values), ("minimum", stacked.min(0).values)):
+        if _close(grad, value) or _close(grad, value / world):
+            return "max", (f"{head}: the element-wise {op} over the ranks, not their sum (ReduceOp.SUM, the "
+                           "default, then divide by the world size)")
+    if ref.abs().max() > 0 and _close(grad, ref * ratio):
+        return "scaled", (f"{head} in every element: a scale mistake (sum over the {world} ranks, then divide by "
+                          f"{world} exactly once)")
+    if grad.abs().max() == 0:
+        return "copy", f"{head}: it is all zeros, as if the averaged values were never copied into it"
+    shift = _shifted(grad, ref, order)
+    if shift is not None:
+        return "copy", (f"{head}: it holds averaged gradient values, but {abs(shift)} elements "
+                        f"{'later' if shift > 0 else 'earlier'} in the gradients laid end to end than its own: an "
+                        "offset into a flat buffer is off")
+    right = _elementwise_close(grad, ref).float().mean().item()
+    return "other", (f"{head} (largest difference {(grad - ref).abs().max().item():.3g}); {right:.0%} of its "
+                     f"elements are right. It is none of: the average, the sum, the rank's own gradient, another "
+                     "rank's, their maximum, or the average copied from a shifted place")
+
+
+def _shifted(grad: torch.Tensor, ref: torch.Tensor, order: list[torch.Tensor]) -> int | None:
+    """If `grad` is a window of the reference gradients laid end to end (in `order`) other than its own: the
+    offset from its own place, else None."""
+    flat = torch.cat([t.reshape(-1) for t in order])
+    n = grad.numel()
+    if n > flat.numel():
+        return None
+    own = next((i for i in range(flat.numel() - n + 1) if torch.equal(flat[i:i + n], ref.reshape(-1))), None)
+    windows = flat.unfold(0, n, 1)
+    scale = max(ref.abs().max().item(), 1e-12)
+    close = ((windows - grad.reshape(-1)).abs() <= RTOL * windows.abs() + ATOL * scale).all(1).nonzero()
+    found = [int(i) for i in close.flatten() if own is None or int(i) != own]
+    return (found[0] - own) if found and own is not None else None
 
 
 def check_gradients(report: Report, outcomes: list[dict[str, Any]]) -> None:
@@ -94,6 +181,8 @@ def check_gradients(report: Report, outcomes: list[dict[str, Any]]) -> None:
     for out in outcomes:
         for step, record in enumerate(out["steps"]):
             found = problems.setdefault(step, {})
+            trained = [n for n, r in record["expected"].items() if r is not None]
+            order = [record["expected"][n] for n in trained][::-1]   # backward's order, as buckets fill
             for name, ref in record["expected"].items():
                 grad, rank = record["grads"][name], out["rank"]
                 if ref is None:
@@ -111,28 +200,21 @@ def check_gradients(report: Report, outcomes: list[dict[str, Any]]) -> None:
                 ratios.append(ratio)
                 if _close(grad, ref):
                     rel_diffs.append(((grad - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item())
-                elif _close(grad, ref * world):
-                    found.setdefault("summed", []).append(
-                        f"gradients are summed, not averaged: rank {rank}'s grad of {name} is {ratio:.3f}× the "
-                        f"single-process grad (divide by the world size, {world})")
-                elif _close(grad, record["local"][name]):
-                    found.setdefault("local", []).append(
-                        f"{name} was not averaged: rank {rank}'s gradient is still the gradient of its own rows; "
-                        "every trained parameter's gradient must be all-reduced")
-                else:
-                    gap = (grad - ref).abs().max().item()
-                    found.setdefault("other", []).append(
-                        f"rank {rank}'s gradient of {name} is {ratio:.3f}× the single-process gradient (largest "
-                        f"difference {gap:.3g})")
+                    continue
+                locals_ = [o["steps"][step]["local"][name] for o in outcomes]
+                kind, said = diagnose(grad, ref, locals_, rank, world, name, order)
+                found.setdefault(kind, []).append(said)
     report.measured["grad_ratio"] = float(torch.tensor(ratios).median()) if ratios else float("nan")
     wrong = [step for step in sorted(problems) if problems[step]]
     if wrong:  # later steps start from parameters the first wrong step already spoiled: report the first only
         first = problems[wrong[0]]
-        for kind in ("summed", "local", "none", "other", "frozen"):
+        for kind in ("summed", "twice", "local", "unsent", "one rank", "max", "scaled", "copy", "none", "other",
+                     "frozen"):
             if kind in first:
                 more = len(first[kind]) - 1
                 report.add("gradients", "fail", first[kind][0] + f" (step {wrong[0]}"
-                           + (f"; {more} more like it)" if more else ")"))
+                           + (f"; {more} more like it)" if more else ")"),
+                           part=gradient_part(outcomes, wrong[0], kind))
         return
     report.measured["grad_rel_diff"] = max(rel_diffs)
     report.add("gradients", "pass", f"after finish_gradient_synchronization() every rank's gradients equal the "
@@ -153,7 +235,7 @@ def check_training(report: Report, outcomes: list[dict[str, Any]]) -> None:
     report.measured["param_diff"] = worst
     if worst > 1e-5:
         report.add("training", "fail", f"after SGD steps the parameters differ from the single-process run by up "
-                   f"to {worst:.3g} ({where})")
+                   f"to {worst:.3g} ({where})", part=finish_part(outcomes))
     else:
         report.add("training", "pass", f"after {steps} SGD steps every rank's parameters match the single-process "
                    f"run to {worst:.1e}")
@@ -161,6 +243,10 @@ def check_training(report: Report, outcomes: list[dict[str, Any]]) -> None:
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a, b, rtol=RTOL, atol=ATOL * max(b.abs().max().item(), 1e-12))
+
+
+def _elementwise_close(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.isclose(a, b, rtol=RTOL, atol=ATOL * max(b.abs().max().item(), 1e-12))
 
 
 def _names(items: dict[str, Any]) -> str:
