@@ -151,12 +151,13 @@ BROKEN = [
     (BiasForgotten, {}, "gradients", "blocks.0.bias was not averaged"),
     (LaunchedLate, {"overlap": True}, "overlap", "your all-reduces did not overlap backward: the first started"),
     (BlockingHook, {"overlap": True}, "overlap", "all-reduces per step ran with async_op=False inside backward"),
-    (NeverWaits, {"overlap": True}, "overlap", "were still running when finish_gradient_synchronization() returned"),
+    (NeverWaits, {"overlap": True}, "waited", "were never waited for when finish_gradient_synchronization() returned"),
     (OnePerParameter, {"bucket_size_mb": 0.01}, "buckets", "7 all-reduces per step with bucket_size_mb=0.01"),
     (Overflowing, {"bucket_size_mb": 0.01}, "buckets", "an all-reduce carried 16,768 bytes with bucket_size_mb=0.01"),
     (TiedTwiceInBuckets, {"bucket_size_mb": 0.01}, "traffic", "tied weights were all-reduced twice: each step "
                                                               "carried 4,096 extra bytes"),
-    (RaisesOnRank1, {}, "runs", "your finish_gradient_synchronization raised ValueError at step 0: a bug on rank 1"),
+    (RaisesOnRank1, {}, "runs", "rank 1: your RaisesOnRank1.finish_gradient_synchronization raised ValueError at "
+                                "step 0: a bug on rank 1"),
 ]
 
 
@@ -185,7 +186,7 @@ def test_naive_ddp_is_told_it_did_not_overlap_as_a_note_and_passes(runs_root, no
 def test_a_wrapper_not_written_yet_is_reported_as_missing_not_as_a_crash(runs_root, no_leftovers, monkeypatch):
     report = ex.check_ddp(NotWrittenYet, runs_root=runs_root)
     assert report.missing and not report.failures
-    assert "NotWrittenYet.__init__ is not written yet (the constructor raised NotImplementedError)" in report.missing[0]
+    assert "NotWrittenYet.__init__ is not written yet (the NotWrittenYet.__init__ raised NotImplementedError)" in report.missing[0]
     # lessons ship their exercises as stubs: one not written yet hands back the reference, said, in any mode
     assert report.use(ex.NaiveDDP) is ex.NaiveDDP and "NOT WRITTEN YET" in report.text()
     monkeypatch.setenv("LABKIT_EXERCISES", "blank")

@@ -43,7 +43,9 @@ def check_ddp(wrapper_cls: Any, *, world_size: int = 2, steps: int = 3, overlap:
     if outcomes is None:
         return report
     check_broadcast(report, outcomes)
-    check_gradients(report, outcomes)
+    check_hooks(report, outcomes)
+    check_waited(report, outcomes)
+    check_gradients(report, outcomes, hooked=overlap or bucket_size_mb is not None)
     check_traffic(report, outcomes)
     check_training(report, outcomes)
     check_overlap(report, outcomes, required=overlap or bucket_size_mb is not None)
@@ -95,19 +97,48 @@ def check_broadcast(report: Report, outcomes: list[dict[str, Any]]) -> None:
                f"({len(rank0_init)} tensors, the frozen one included)")
 
 
-def gradient_part(outcomes: list[dict[str, Any]], step: int, kind: str) -> str:
+def check_hooks(report: Report, outcomes: list[dict[str, Any]]) -> None:
+    """A gradient hook registered twice on one parameter runs twice per backward."""
+    for name, hook, times in outcomes[0].get("hooked_twice", [])[:1]:
+        report.add("hooks", "fail", f"{hook} was registered {times} times as a gradient hook on {name}, so it runs "
+                   f"{times} times per backward: register one hook per parameter", part=init_part(outcomes))
+
+
+def check_waited(report: Report, outcomes: list[dict[str, Any]]) -> None:
+    """Every async collective of a step must have been waited for when finish_gradient_synchronization() returns:
+    checked from the calls made (wait() on the handle, or its future taken), not from timing."""
+    for out in outcomes:
+        for step, record in enumerate(out["steps"]):
+            if record.get("unwaited"):
+                started = sorted(set(filter(None, record["unwaited"])))
+                report.add("waited", "fail", f"{len(record['unwaited'])} async collectives"
+                           + (f" (started in your {', '.join(started)})" if started else "")
+                           + f" were never waited for when finish_gradient_synchronization() returned (rank "
+                           f"{out['rank']}, step {step}; {record['unfinished']} of them still running then): call "
+                           "wait() on every handle before the optimizer reads the gradients",
+                           part=finish_part(outcomes))
+                return
+
+
+def gradient_part(outcomes: list[dict[str, Any]], step: int, kind: str, hooked: bool) -> str:
     """The learner's function to blame for a gradient of kind `kind` at `step`: for a wrong scale, the function
     that made the step's collectives (the division belongs beside them); for a gradient no collective carried,
-    the hooks' registration (constructor) if hooks send the others, else finish_gradient_synchronization; for
-    values copied back wrong, finish_gradient_synchronization."""
-    callers = [e.get("caller", "") for e in sync_events(outcomes[0], step) if e.get("caller")]
+    the constructor (that registers hooks and plans buckets) where the exercise sends from hooks, else the
+    function that sends the others; for values copied back wrong, finish_gradient_synchronization."""
+    events = sync_events(outcomes[0], step)
+    callers = [e.get("caller", "") for e in events if e.get("caller")]
     callers += [e["caller"] for e in outcomes[0].get("p2p", []) if e["step"] == step and e.get("caller")]
     made = max(set(callers), key=callers.count) if callers else ""
     hooks = outcomes[0].get("hooks", [])
+    trained = sum(r["bytes"] for r in outcomes[0]["params"] if r["requires_grad"])
     if kind in ("summed", "twice", "scaled", "max", "one rank"):
         return made or (hooks[0] if hooks else finish_part(outcomes))
     if kind in ("local", "unsent"):
-        return init_part(outcomes) if hooks and callers else (made or (hooks[0] if hooks else finish_part(outcomes)))
+        if events and sum(e["bytes"] for e in events) >= trained:
+            return finish_part(outcomes)   # every gradient's bytes were sent: the copy back did not happen
+        if hooked:
+            return init_part(outcomes) if not hooks or callers else hooks[0]
+        return made or finish_part(outcomes)
     return finish_part(outcomes)
 
 
@@ -169,8 +200,12 @@ def _shifted(grad: torch.Tensor, ref: torch.Tensor, order: list[torch.Tensor]) -
     return (found[0] - own) if found and own is not None else None
 
 
-def check_gradients(report: Report, outcomes: list[dict[str, Any]]) -> None:
+def check_gradients(report: Report, outcomes: list[dict[str, Any]], hooked: bool = False) -> None:
     """After finish_gradient_synchronization() each rank's gradients must be the single-process gradients."""
+    if report.status("waited") == "fail":
+        report.add("gradients", "note", "not compared with one process: async collectives were not waited for "
+                   "(see waited), so what the gradients hold then depends on timing")
+        return
     if report.status("broadcast") == "fail":
         report.add("gradients", "note", "not compared with one process: the ranks did not start from the same "
                    "parameters (see broadcast), so no single run matches them")
@@ -214,7 +249,7 @@ def check_gradients(report: Report, outcomes: list[dict[str, Any]]) -> None:
                 more = len(first[kind]) - 1
                 report.add("gradients", "fail", first[kind][0] + f" (step {wrong[0]}"
                            + (f"; {more} more like it)" if more else ")"),
-                           part=gradient_part(outcomes, wrong[0], kind))
+                           part=gradient_part(outcomes, wrong[0], kind, hooked))
         return
     report.measured["grad_rel_diff"] = max(rel_diffs)
     report.add("gradients", "pass", f"after finish_gradient_synchronization() every rank's gradients equal the "
@@ -224,6 +259,8 @@ def check_gradients(report: Report, outcomes: list[dict[str, Any]]) -> None:
 
 def check_training(report: Report, outcomes: list[dict[str, Any]]) -> None:
     """After each SGD step every rank's parameters must be the single-process run's."""
+    if report.status("waited") == "fail":
+        return
     worst, where = 0.0, ""
     for out in outcomes:
         for step, record in enumerate(out["steps"]):

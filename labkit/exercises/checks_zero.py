@@ -4,13 +4,13 @@
     report = check_sharded_optimizer(MyShardedOptimizer, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
     report.measured["state_fraction"]         # per rank: share of the trained parameters it holds state for
 
-It is built as sharded_cls(model.parameters(), optimizer_cls, **optimizer_kwargs) on every rank around the same
-CheckNet; the driver averages gradients itself, so only the optimizer is under test. Measured: every rank's
-parameters after each step (against each other, and against one process running optimizer_cls over all
-parameters, its learning rate changed on param_groups before each step as an LR scheduler would), the
-optimizer state each rank holds (walked from the object: bytes, and which parameters), set
-against the ZeRO paper's stage-1 formula from labkit.memory with K measured from the unsharded optimizer, and
-the bytes each step sent.
+It is built as sharded_cls(param_groups, optimizer_cls, **optimizer_kwargs) on every rank around the same CheckNet,
+with three param groups (weights; biases without weight decay; the frozen layer); the driver averages gradients
+itself, so only the optimizer is under test. Measured: every rank's parameters after each step (against each other,
+and against one process running optimizer_cls over all parameters, its learning rate changed on param_groups before
+each step as an LR scheduler would), the optimizer state each rank holds (walked from the object: bytes, and which
+parameters), set against the ZeRO paper's stage-1 formula from labkit.memory with K measured from the unsharded
+optimizer, and the bytes each step sent.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def check_sharded_optimizer(sharded_cls: Any, optimizer_cls: Any = torch.optim.A
     if outcomes is None:
         return report
     check_agreement(report, outcomes)
+    check_senders(report, outcomes)
     check_against_one_process(report, outcomes, inner)
     check_state(report, outcomes, optimizer_cls.__name__)
     check_step_traffic(report, outcomes)
@@ -68,16 +69,45 @@ def check_agreement(report: Report, outcomes: list[dict[str, Any]]) -> None:
                 report.add("agreement", "fail", f"after step {step} rank {out['rank']}'s parameters differ from rank "
                            f"0's in {len(differing)} tensors (by up to {max(differing.values()):.3g}); e.g. {name}: "
                            f"{whose}. After stepping its share, each rank must send its updated parameters to the "
-                           "others (broadcast from the owner)")
+                           "others (broadcast from the owner)", part=f"{out['class']}.step")
                 return
     report.add("agreement", "pass", f"after each of {len(outcomes[0]['steps'])} steps every rank holds the same "
                "parameters, bitwise")
+
+
+def builder(outcomes: list[dict[str, Any]]) -> str:
+    """The learner's function that built the inner optimizer or gave it its param groups (where the shards are
+    decided), else the class's add_param_group."""
+    found = [c for out in outcomes for c in out.get("built_by", [])]
+    return found[-1] if found else f"{outcomes[0]['class']}.add_param_group"
+
+
+def check_senders(report: Report, outcomes: list[dict[str, Any]]) -> None:
+    """Each parameter must be sent from the rank that holds its state (the one that stepped it)."""
+    if report.status("agreement") == "fail":
+        return
+    rows = outcomes[0]["params"]
+    for out in outcomes:
+        for event in out["events"]:
+            index = out["ptrs"].get(event["ptr"])
+            if event["phase"] != "step" or event["op"] != "broadcast" or index is None or event["src"] is None:
+                continue
+            holders = [o["rank"] for o in outcomes if index in o["owned"]]
+            if holders and event["src"] not in holders:
+                report.add("senders", "fail", f"{rows[index]['label']} is stepped on rank "
+                           f"{', '.join(map(str, holders))} (its optimizer state is there) but broadcast from rank "
+                           f"{event['src']}, which did not step it: the rank whose local optimizer holds a "
+                           "parameter must be the one that sends it", part=builder(outcomes))
+                return
 
 
 def check_against_one_process(report: Report, outcomes: list[dict[str, Any]], inner: str) -> None:
     """The parameters must follow one process running the wrapped optimizer over every parameter."""
     if report.status("agreement") == "fail":
         report.add("matches", "note", f"not compared with one process running {inner}: the ranks disagree")
+        return
+    if report.status("senders") == "fail":
+        report.add("matches", "note", f"not compared with one process running {inner}: see senders")
         return
     reference = outcomes[0]["reference"]
     worst, where = 0.0, ""
@@ -91,13 +121,26 @@ def check_against_one_process(report: Report, outcomes: list[dict[str, Any]], in
         report.add("matches", "pass", f"the parameters follow one process running {inner} over all parameters "
                    f"(largest difference {worst:.1e} over {len(outcomes[0]['steps'])} steps)")
         return
+    mismatch = next((m for out in outcomes for m in out.get("mismatches", [])), None)
+    if mismatch is not None:
+        name = outcomes[0]["params"][mismatch["index"]]["label"] if mismatch["index"] is not None else "a parameter"
+        scheduled = mismatch["step"] > 0 and mismatch["key"] == "lr" and not any(
+            m["step"] == 0 for out in outcomes for m in out.get("mismatches", []))
+        report.add("matches", "fail", f"the parameters differ from one process running {inner} by up to {worst:.3g} "
+                   f"({where}): at step {mismatch['step']} the optimizer that stepped {name} had {mismatch['key']}="
+                   f"{mismatch['inner']}, where your param_groups say {mismatch['key']}={mismatch['outer']}"
+                   + (" (set there as an LR scheduler does: pass each param_group's settings on before stepping)"
+                      if scheduled else " (each param group's settings must reach the parameters it holds)"),
+                   part=f"{outcomes[0]['class']}.step" if scheduled else builder(outcomes))
+        return
     deaf = max((value - reference["unscheduled"][step][name]).abs().max().item()
                for step, record in enumerate(outcomes[0]["steps"]) for name, value in record["params"].items())
     if deaf <= TOLERANCE:   # (with no lr to schedule the two references are one, and deaf == worst)
         report.add("matches", "fail", f"the parameters differ from one process running {inner} by up to {worst:.3g} "
                    f"({where}), and follow, to {deaf:.1e}, one whose learning rate never changed: the lr set on "
                    "param_groups before each step (as an LR scheduler does) did not reach the optimizer that steps. "
-                   "Pass each param_group's settings on to your local optimizer before stepping it")
+                   "Pass each param_group's settings on to your local optimizer before stepping it",
+                   part=f"{outcomes[0]['class']}.step")
         return
     first = outcomes[0]["steps"][0]["params"]
     moved = sum((first[n] - reference["init"][n]).norm().item() for n in first)
@@ -106,7 +149,7 @@ def check_against_one_process(report: Report, outcomes: list[dict[str, Any]], in
     report.measured["first_step_ratio"] = ratio
     report.add("matches", "fail", f"the parameters differ from one process running {inner} by up to {worst:.3g} "
                f"({where}); your first step moved them {ratio:.2f}× as far as that optimizer does (are "
-               "optimizer_kwargs passed on? is every parameter stepped once?)")
+               "optimizer_kwargs passed on? is every parameter stepped once?)", part=builder(outcomes))
 
 
 def check_state(report: Report, outcomes: list[dict[str, Any]], optimizer_name: str) -> None:
@@ -125,23 +168,30 @@ def check_state(report: Report, outcomes: list[dict[str, Any]], optimizer_name: 
     report.measured.update(state_bytes=[out["state_bytes"] for out in outcomes], state_fraction=fractions,
                            formula_bytes=formula, unsharded_bytes=reference["state_bytes"], k=k)
     holders = {i: [out["rank"] for out in outcomes if i in out["owned"]] for i in trained}
-    largest = max(rows[i]["numel"] for i in trained) / psi
     fullest = max(range(world), key=lambda r: fractions[r])
+    emptiest = min(range(world), key=lambda r: fractions[r])
+    on_fullest = [i for i in outcomes[fullest]["owned"] if i in trained]
+    smallest = min(on_fullest, key=lambda i: rows[i]["numel"]) if on_fullest else None
+    part = builder(outcomes)
     if world > 1 and min(fractions) > 0.999:
         report.add("state", "fail", f"optimizer state on rank {world - 1} holds {fractions[-1]:.0%} of the "
                    f"parameters, expected about {1 / world:.0%}: each rank should create optimizer_cls over its own "
-                   "share only")
+                   "share only", part=part)
     elif any(len(h) > 1 for h in holders.values()):
         i = next(i for i, h in holders.items() if len(h) > 1)
         report.add("state", "fail", f"{rows[i]['label']} has optimizer state on ranks "
                    f"{', '.join(map(str, holders[i]))}: each parameter's state belongs on one rank")
     elif any(not h for h in holders.values()):
         i = next(i for i, h in holders.items() if not h)
-        report.add("state", "fail", f"{rows[i]['label']} has optimizer state on no rank: no rank steps it")
-    elif fractions[fullest] > 1 / world + largest + 1e-9:
-        report.add("state", "fail", f"rank {fullest} holds state for {fractions[fullest]:.0%} of the parameters, "
-                   f"more than 1/{world} plus the largest tensor ({1 / world:.0%} + {largest:.0%}): give each "
-                   "parameter to the rank holding the least so far")
+        report.add("state", "fail", f"{rows[i]['label']} has optimizer state on no rank: no rank steps it", part=part)
+    elif smallest is not None and (fractions[fullest] - fractions[emptiest]) * psi > max(
+            rows[i]["numel"] for i in on_fullest):
+        shares = ", ".join(f"rank {r} {f:.0%}" for r, f in enumerate(fractions))
+        report.add("state", "fail", f"the shards are unbalanced ({shares} of the parameters' state; 1/{world} each "
+                   f"is {1 / world:.0%}): rank {fullest} holds more than rank {emptiest} by more than its largest "
+                   f"tensor, so moving its {rows[smallest]['label']} ({rows[smallest]['numel']:,} elements) to rank "
+                   f"{emptiest} would even them. Give each parameter to the rank holding the least so far",
+                   part=part)
     else:
         per_rank = ", ".join(f"rank {o['rank']} {o['state_bytes']:,} B ({f:.0%} of the parameters)"
                              for o, f in zip(outcomes, fractions))

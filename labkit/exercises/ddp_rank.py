@@ -15,6 +15,8 @@ for (wait() on its handle, or its future taken): checked from the calls made, no
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import time
 import traceback
 from typing import Any, Iterator
@@ -29,6 +31,7 @@ from .probe import PAYLOAD, CommProbe, payload_bytes
 SEED = 1234
 LR = 0.1
 P2P = ("send", "recv", "isend", "irecv")
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def reference_run(steps: int, global_batch: int) -> list[dict[str, torch.Tensor]]:
@@ -62,7 +65,7 @@ def learner_function(frames: Any) -> str:
     found = ""
     for frame in frames:
         if is_learners(frame.f_code.co_filename):
-            found = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
+            found = getattr(frame.f_code, "co_qualname", frame.f_code.co_name).split(".<locals>")[0]
     return found
 
 
@@ -79,9 +82,11 @@ def learner_call(ctx: Any, default: str, step: int = -1) -> Iterator[None]:
 
 
 def _caller() -> str:
-    """The learner's function that called into the current collective (innermost learner frame on the stack)."""
-    frame, frames = __import__("sys")._getframe(2), []
-    while frame is not None:
+    """The learner's function that called into the current collective (innermost learner frame on the stack below
+    the checker's drive_* function: a forked rank's stack goes on into whatever launched the check)."""
+    frame, frames = sys._getframe(2), []
+    while frame is not None and not (frame.f_code.co_name.startswith("drive_")
+                                     and frame.f_code.co_filename.startswith(_HERE)):
         frames.append(frame)
         frame = frame.f_back
     return learner_function(reversed(frames))
@@ -106,9 +111,9 @@ class _NotedWork:
 
 
 @contextlib.contextmanager
-def noted(probe: CommProbe, p2p: list[dict[str, Any]], hooks: list[str]) -> Iterator[None]:
+def noted(probe: CommProbe, p2p: list[dict[str, Any]], hooks: list[tuple[int, str]]) -> Iterator[None]:
     """While open: label each probed collective with the learner's function that made it, note point-to-point
-    calls in `p2p`, and the learner's functions registered as gradient hooks in `hooks`."""
+    calls in `p2p`, and the learner's functions registered as gradient hooks in `hooks` (id(tensor), function)."""
     saved: dict[Any, dict[str, Any]] = {dist: {}, torch.Tensor: {}}
 
     def labelled(original: Any) -> Any:
@@ -135,7 +140,7 @@ def noted(probe: CommProbe, p2p: list[dict[str, Any]], hooks: list[str]) -> Iter
         def register(tensor: Any, hook: Any, *args: Any, **kwargs: Any) -> Any:
             code = getattr(hook, "__code__", None) or getattr(getattr(hook, "__func__", None), "__code__", None)
             if code is not None and is_learners(code.co_filename):
-                hooks.append(getattr(code, "co_qualname", code.co_name))
+                hooks.append((id(tensor), getattr(code, "co_qualname", code.co_name).split(".<locals>")[0]))
             return original(tensor, hook, *args, **kwargs)
         return register
 
@@ -165,7 +170,7 @@ def drive_ddp(ctx: Any, wrapper_cls: Any, kwargs: dict[str, Any], steps: int) ->
     batch = global_batch_for(ctx.world_size)
     cls = getattr(wrapper_cls, "__qualname__", getattr(wrapper_cls, "__name__", "wrapper"))
     p2p: list[dict[str, Any]] = []
-    hooks: list[str] = []
+    hooks: list[tuple[int, str]] = []
     out: dict[str, Any] = {"rank": ctx.rank, "reference": reference_run(steps, batch), "own_init": snapshot(model),
                            "steps": [], "params": param_table(model, names), "class": cls}
     with CommProbe() as probe, noted(probe, p2p, hooks):
@@ -198,7 +203,10 @@ def drive_ddp(ctx: Any, wrapper_cls: Any, kwargs: dict[str, Any], steps: int) ->
             out["steps"][-1]["params"] = snapshot(model)
         with probe.paused():
             dist.barrier()  # no rank leaves while a peer's async work may still be in flight
-    out.update(events=probe.events, p2p=p2p, hooks=list(dict.fromkeys(hooks)))
+    label = {id(p): " = ".join(names[id(p)]) for p in model.parameters()}
+    counts = {(label.get(t, "a tensor"), hook): sum(1 for h in hooks if h == (t, hook)) for t, hook in hooks}
+    out.update(events=probe.events, p2p=p2p, hooks=list(dict.fromkeys(hook for _, hook in hooks)),
+               hooked_twice=[(name, hook, n) for (name, hook), n in counts.items() if n > 1])
     return out
 
 
