@@ -186,7 +186,8 @@ def test_naive_ddp_is_told_it_did_not_overlap_as_a_note_and_passes(runs_root, no
 def test_a_wrapper_not_written_yet_is_reported_as_missing_not_as_a_crash(runs_root, no_leftovers, monkeypatch):
     report = ex.check_ddp(NotWrittenYet, runs_root=runs_root)
     assert report.missing and not report.failures
-    assert "NotWrittenYet.__init__ is not written yet (the NotWrittenYet.__init__ raised NotImplementedError)" in report.missing[0]
+    assert ("NotWrittenYet.__init__ is not written yet (the NotWrittenYet.__init__ raised NotImplementedError)"
+            in report.missing[0])
     # lessons ship their exercises as stubs: one not written yet hands back the reference, said, in any mode
     assert report.use(ex.NaiveDDP) is ex.NaiveDDP and "NOT WRITTEN YET" in report.text()
     monkeypatch.setenv("LABKIT_EXERCISES", "blank")

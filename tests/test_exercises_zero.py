@@ -70,16 +70,22 @@ class DropsKwargs(ex.ShardedOptimizer):
 
 
 class SameShardEverywhere(ex.ShardedOptimizer):
-    """Owners decided by position without the rank: ranks 0 and 1 both step the first half."""
+    """Owners decided by position without the rank: ranks 0 and 1 both step the first half of each group."""
 
     def add_param_group(self, param_group):
         torch.optim.Optimizer.add_param_group(self, param_group)
-        params = self.param_groups[-1]["params"]
-        half = len(params) // 2
-        for i, param in enumerate(params):
+        group = self.param_groups[-1]
+        trained = [p for p in group["params"] if p.requires_grad]
+        half = (len(trained) + 1) // 2
+        for i, param in enumerate(trained):
             self.owner[id(param)] = 0 if i < half else 1
-        self.local = self.optimizer_cls(params[:half], **self.optimizer_kwargs)
-        self._local_group[0] = 0
+        if trained:
+            local_group = {**{k: v for k, v in group.items() if k != "params"}, "params": trained[:half]}
+            if self.local is None:
+                self.local = self.optimizer_cls([local_group], **self.optimizer_kwargs)
+            else:
+                self.local.add_param_group(local_group)
+            self._local_group[len(self.param_groups) - 1] = len(self.local.param_groups) - 1
 
 
 class DeafToParamGroups(ex.ShardedOptimizer):
@@ -92,6 +98,67 @@ class DeafToParamGroups(ex.ShardedOptimizer):
             if id(param) in self.owner:
                 dist.broadcast(param, src=self.owner[id(param)])
         return loss
+
+
+class PlannedShards(ex.ShardedOptimizer):
+    """Owners from a fixed plan over the trained parameters in the order they come (weights, then biases)."""
+
+    PLAN = ()
+
+    def add_param_group(self, param_group):
+        torch.optim.Optimizer.add_param_group(self, param_group)
+        group = self.param_groups[-1]
+        mine = []
+        for param in (p for p in group["params"] if p.requires_grad):
+            self.owner[id(param)] = owner = self.PLAN[len(self.owner)]
+            if owner == self.rank:
+                mine.append(param)
+        if mine:
+            local_group = {**{k: v for k, v in group.items() if k != "params"}, "params": mine}
+            if self.local is None:
+                self.local = self.optimizer_cls([local_group], **self.optimizer_kwargs)
+            else:
+                self.local.add_param_group(local_group)
+            self._local_group[len(self.param_groups) - 1] = len(self.local.param_groups) - 1
+
+
+class Shards73To27(PlannedShards):
+    """The issue's case: three of the four 1024-element weights on rank 0 (73%), one and the biases on rank 1."""
+
+    PLAN = (0, 0, 0, 1, 1, 1, 1)
+
+
+class OneRankHolds2Percent(PlannedShards):
+    """The issue's case on 4 ranks: rank 3 holds only the three biases (2% of the parameters)."""
+
+    PLAN = (0, 0, 1, 2, 3, 3, 3)
+
+
+class DropsGroupSettings(ex.ShardedOptimizer):
+    """Builds the local optimizer from the constructor's kwargs alone: the biases' weight_decay=0.0 is lost."""
+
+    def add_param_group(self, param_group):
+        torch.optim.Optimizer.add_param_group(self, param_group)
+        group = self.param_groups[-1]
+        mine = []
+        for param in sorted((p for p in group["params"] if p.requires_grad), key=lambda p: -p.numel()):
+            owner = min(range(self.world_size), key=lambda r: self._elements[r])
+            self._elements[owner] += param.numel()
+            self.owner[id(param)] = owner
+            if owner == self.rank:
+                mine.append(param)
+        if mine:
+            if self.local is None:
+                self.local = self.optimizer_cls(mine, **self.optimizer_kwargs)
+            else:
+                self.local.add_param_group({"params": mine})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.local.step()
+        for param in (p for group in self.param_groups for p in group["params"]):
+            if id(param) in self.owner:
+                dist.broadcast(param, src=self.owner[id(param)])
 
 
 class NotWrittenYet(torch.optim.Optimizer):
@@ -122,6 +189,32 @@ def test_the_owner_of_a_parameter_that_was_not_sent_is_named(runs_root, no_lefto
     report = ex.check_sharded_optimizer(NeverSends, runs_root=runs_root)
     assert "its optimizer state is on rank" in report.failures[0]
     assert report.status("matches") == "note"  # not compared: the ranks disagree
+
+
+@pytest.mark.parametrize("sharded, world_size, shares", [(Shards73To27, 2, "rank 0 73%, rank 1 27%"),
+                                                          (OneRankHolds2Percent, 4, "rank 3 2%")])
+def test_unbalanced_shards_that_fit_one_over_n_plus_the_largest_tensor_fail(sharded, world_size, shares, runs_root,
+                                                                             no_leftovers):
+    """The issue's cases: 73%/27% on 2 ranks (1/2 + the largest tensor, 24%, is 74%) and 2% on one of 4 ranks are
+    unbalanced: the fullest rank holds more than the emptiest by more than its own largest tensor."""
+    report = ex.check_sharded_optimizer(sharded, world_size=world_size, runs_root=runs_root)
+    assert report.status("state") == "fail" and report.status("matches") == "pass", report.text()
+    assert report.blamed == ["PlannedShards.add_param_group"], report.text()   # where the owners are decided
+    said = report.failures[0]
+    assert "the shards are unbalanced" in said and shares in said and "would even them" in said, said
+
+
+def test_the_reference_passes_on_three_ranks(runs_root, no_leftovers):
+    report = ex.check_sharded_optimizer(ex.ShardedOptimizer, world_size=3, runs_root=runs_root)
+    assert report.ok, report.text()
+
+
+def test_a_group_s_own_settings_lost_is_named_with_the_function_that_built_the_local_optimizer(runs_root,
+                                                                                              no_leftovers):
+    report = ex.check_sharded_optimizer(DropsGroupSettings, runs_root=runs_root)
+    assert report.status("matches") == "fail", report.text()
+    assert report.blamed == ["DropsGroupSettings.add_param_group"], report.text()
+    assert "had weight_decay=0.1, where your param_groups say weight_decay=0.0" in report.failures[0]
 
 
 def test_a_sharded_optimizer_not_written_yet_is_missing_not_failed(runs_root, no_leftovers):

@@ -126,11 +126,13 @@ def check_against_one_process(report: Report, outcomes: list[dict[str, Any]], in
         name = outcomes[0]["params"][mismatch["index"]]["label"] if mismatch["index"] is not None else "a parameter"
         scheduled = mismatch["step"] > 0 and mismatch["key"] == "lr" and not any(
             m["step"] == 0 for out in outcomes for m in out.get("mismatches", []))
+        had = (f"at step {mismatch['step']} the optimizer that stepped {name} had {mismatch['key']}="
+               f"{mismatch['inner']}, where your param_groups say {mismatch['key']}={mismatch['outer']}")
         report.add("matches", "fail", f"the parameters differ from one process running {inner} by up to {worst:.3g} "
-                   f"({where}): at step {mismatch['step']} the optimizer that stepped {name} had {mismatch['key']}="
-                   f"{mismatch['inner']}, where your param_groups say {mismatch['key']}={mismatch['outer']}"
-                   + (" (set there as an LR scheduler does: pass each param_group's settings on before stepping)"
-                      if scheduled else " (each param group's settings must reach the parameters it holds)"),
+                   f"({where}): " + (f"the lr set on param_groups before each step (as an LR scheduler does) did not "
+                                     f"reach the optimizer that steps ({had}). Pass each param_group's settings on "
+                                     "to your local optimizer before stepping it" if scheduled else
+                                     f"{had}: each param group's settings must reach the parameters it holds"),
                    part=f"{outcomes[0]['class']}.step" if scheduled else builder(outcomes))
         return
     deaf = max((value - reference["unscheduled"][step][name]).abs().max().item()
