@@ -249,3 +249,141 @@ def test_plan_buckets_fills_in_order_and_gives_an_oversized_tensor_its_own_bucke
     assert ex.plan_buckets([10, 2000, 10], cap=1000) == [[0], [1], [2]]
     assert ex.plan_buckets([], cap=1000) == []
     assert ex.plan_buckets([1, 1, 1], cap=1e9) == [[0, 1, 2]]
+
+
+# --- the issue's cases (46): the truth about wrong and correct-but-different wrappers ----------------------------
+
+class LastBucketOnly(ex.BucketedDDP):
+    """Waits only for the last bucket: its values depend on timing, so only the calls made can judge it."""
+
+    def finish_gradient_synchronization(self):
+        self.buckets[-1].work.wait()
+        for bucket in self.buckets:
+            offset = 0
+            for param in bucket.params:
+                param.grad.copy_(bucket.flat[offset:offset + param.numel()].view_as(param))
+                offset += param.numel()
+            bucket.ready, bucket.work = 0, None
+
+
+def test_a_bucketed_ddp_that_waits_only_for_the_last_bucket_fails_on_the_calls_it_made(runs_root, no_leftovers):
+    report = ex.check_ddp(LastBucketOnly, bucket_size_mb=0.01, runs_root=runs_root)
+    assert report.status("waited") == "fail", report.text()
+    assert report.blamed == ["LastBucketOnly.finish_gradient_synchronization"], report.text()
+    assert "1 async collectives were never waited for when finish_gradient_synchronization() returned" \
+           in report.failures[0]
+    assert report.status("gradients") == "note"   # not judged on values that depend on timing
+
+
+class SendRecvDDP(ex.NaiveDDP):
+    """Correct, written another way: rank 0 gathers every gradient with recv, sums, averages and sends it back."""
+
+    def finish_gradient_synchronization(self):
+        for param in self.module.parameters():
+            if param.grad is None:
+                continue
+            if dist.get_rank() == 0:
+                total = param.grad.clone()
+                for peer in range(1, self.world_size):
+                    incoming = torch.empty_like(param.grad)
+                    dist.recv(incoming, src=peer)
+                    total += incoming
+                param.grad.copy_(total / self.world_size)
+                for peer in range(1, self.world_size):
+                    dist.send(param.grad, dst=peer)
+            else:
+                dist.send(param.grad, dst=0)
+                dist.recv(param.grad, src=0)
+
+
+class ReduceBroadcastDDP(ex.NaiveDDP):
+    """Correct, written another way: reduce to rank 0, divide there, broadcast back."""
+
+    def finish_gradient_synchronization(self):
+        for param in self.module.parameters():
+            if param.grad is not None:
+                dist.reduce(param.grad, dst=0)
+                if dist.get_rank() == 0:
+                    param.grad.div_(self.world_size)
+                dist.broadcast(param.grad, src=0)
+
+
+@pytest.mark.parametrize("wrapper, travelled", [(SendRecvDDP, "point-to-point calls (recv, send"),
+                                                (ReduceBroadcastDDP, "travelled by broadcast, reduce")])
+def test_correct_values_sent_with_other_collectives_pass_and_are_not_blamed_on_imports_or_tied_weights(
+        wrapper, travelled, runs_root, no_leftovers):
+    report = ex.check_ddp(wrapper, runs_root=runs_root)
+    assert report.ok, report.text()
+    said = report.text()
+    assert travelled in said and "from torch.distributed import" not in said and "tied weights" not in said, said
+
+
+def test_the_naive_and_bucketed_references_run_on_three_ranks(runs_root, no_leftovers):
+    for wrapper, options in ((ex.NaiveDDP, {}), (ex.BucketedDDP, {"bucket_size_mb": 0.01})):
+        report = ex.check_ddp(wrapper, world_size=3, runs_root=runs_root, **options)
+        assert report.ok and "3 gloo ranks" in report.subject, report.text()
+
+
+class DividedTwice(ex.NaiveDDP):
+    def finish_gradient_synchronization(self):
+        for param in self.module.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad)
+                param.grad.div_(self.world_size).div_(self.world_size)
+
+
+class DividedNotSummed(ex.NaiveDDP):
+    def finish_gradient_synchronization(self):
+        for param in self.module.parameters():
+            if param.grad is not None:
+                param.grad.div_(self.world_size)
+
+
+class MaxNotSum(ex.NaiveDDP):
+    def finish_gradient_synchronization(self):
+        for param in self.module.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad, op=dist.ReduceOp.MAX)
+                param.grad.div_(self.world_size)
+
+
+class HookedTwice(ex.OverlapDDP):
+    def __init__(self, module):
+        torch.nn.Module.__init__(self)
+        self.module, self.world_size, self._pending = module, dist.get_world_size(), []
+        with torch.no_grad():
+            for param in module.parameters():
+                dist.broadcast(param, src=0)
+        for param in module.parameters():
+            if param.requires_grad:
+                for _ in range(2):
+                    param.register_post_accumulate_grad_hook(self.hook)
+
+    def hook(self, param):
+        self._launch(param)
+
+
+class HalfSizedBuckets(ex.BucketedDDP):
+    def __init__(self, module, bucket_size_mb):
+        super().__init__(module, bucket_size_mb=bucket_size_mb / 2)
+
+
+NAMED = [
+    (DividedTwice, {}, "DividedTwice.finish_gradient_synchronization",
+     "0.500× the single-process gradient: 1/2 of the average, which was divided by the world size (2) once more"),
+    (DividedNotSummed, {}, "DividedNotSummed.finish_gradient_synchronization",
+     "its own rows' gradient divided by the world size (2), never summed over the ranks"),
+    (MaxNotSum, {}, "MaxNotSum.finish_gradient_synchronization", "the element-wise maximum over the ranks"),
+    (HookedTwice, {"overlap": True}, "HookedTwice.__init__",
+     "HookedTwice.hook was registered 2 times as a gradient hook"),
+    (HalfSizedBuckets, {"bucket_size_mb": 0.01}, "HalfSizedBuckets.__init__",
+     "so they fit one bucket"),
+]
+
+
+@pytest.mark.parametrize("wrapper, options, part, message", NAMED, ids=[n[0].__name__ for n in NAMED])
+def test_a_wrong_wrapper_is_told_the_cause_and_the_function(wrapper, options, part, message, runs_root,
+                                                            no_leftovers):
+    report = ex.check_ddp(wrapper, runs_root=runs_root, **options)
+    assert not report.ok and part in report.blamed, report.text()
+    assert any(message in f.message for f in report.findings if f.status == "fail"), report.text()

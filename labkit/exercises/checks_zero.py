@@ -45,6 +45,11 @@ def check_sharded_optimizer(sharded_cls: Any, optimizer_cls: Any = torch.optim.A
                            world_size=world_size, timeout=timeout, name=f"check-{name}", runs_root=runs_root)
     if outcomes is None:
         return report
+    if any(out.get("unbuilt") for out in outcomes):
+        report.add("runs", "fail", f"after construction your {name} has no param_groups: torch.optim.Optimizer's "
+                   "__init__ (super().__init__(params, defaults)) never ran, so no parameter was registered",
+                   part=f"{outcomes[0]['class']}.__init__")
+        return report
     check_agreement(report, outcomes)
     check_senders(report, outcomes)
     check_against_one_process(report, outcomes, inner)

@@ -130,6 +130,10 @@ def drive_sharded(ctx: Any, sharded_cls: Any, optimizer_cls: Any, kwargs: dict[s
         with learner_call(ctx, f"{cls}.__init__"), probe.phase("constructor"):
             optimizer = sharded_cls(param_groups(model, kwargs), watched_optimizer(optimizer_cls, notes), **kwargs)
         notes["outer"] = optimizer
+        if not isinstance(getattr(optimizer, "param_groups", None), list):   # Optimizer.__init__ never ran
+            with probe.paused():
+                dist.barrier()
+            return {**out, "unbuilt": True}
         base_lrs = [g.get("lr") for g in optimizer.param_groups]
         for step in range(steps):
             ctx.heartbeat(step)
