@@ -81,7 +81,7 @@ def learner_call(ctx: Any, default: str, step: int = -1) -> Iterator[None]:
             raise
 
 
-def _caller() -> str:
+def learner_caller() -> str:
     """The learner's function that called into the current collective (innermost learner frame on the stack below
     the checker's drive_* function: a forked rank's stack goes on into whatever launched the check)."""
     frame, frames = sys._getframe(2), []
@@ -122,7 +122,7 @@ def noted(probe: CommProbe, p2p: list[dict[str, Any]], hooks: list[tuple[int, st
             result = original(*args, **kwargs)
             if len(probe.events) > before:
                 event = probe.events[before]
-                event["caller"] = _caller()
+                event["caller"] = learner_caller()
                 if event["async_op"] and result is not None:
                     return _NotedWork(result, event)
             return result
@@ -132,7 +132,7 @@ def noted(probe: CommProbe, p2p: list[dict[str, Any]], hooks: list[tuple[int, st
         def call(tensor: Any, *args: Any, **kwargs: Any) -> Any:
             if not probe._paused:
                 p2p.append({"op": name, "bytes": payload_bytes(tensor), "phase": probe.current_phase,
-                            "step": probe.current_step, "caller": _caller()})
+                            "step": probe.current_step, "caller": learner_caller()})
             return original(tensor, *args, **kwargs)
         return call
 

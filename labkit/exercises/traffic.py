@@ -7,6 +7,7 @@ backward, bucket sizes. Reads the collectives that CommProbe recorded in each ra
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import Counter
 from typing import Any
@@ -194,7 +195,7 @@ def check_buckets(report: Report, outcomes: list[dict[str, Any]], bucket_size_mb
     biggest = max((e["bytes"] for events in per_step for e in events), default=0)
     report.measured.update(buckets_per_step=count, largest_message=biggest, greedy_buckets=greedy)
     part = f"{outcomes[0]['class']}.__init__"
-    pairs = [(a["bytes"], b["bytes"]) for events in per_step for a, b in zip(events, events[1:])
+    pairs = [(a["bytes"], b["bytes"]) for events in per_step for a, b in itertools.pairwise(events)
              if a["bytes"] + b["bytes"] <= cap]
     if biggest > max(cap, largest):
         report.add("buckets", "fail", f"an all-reduce carried {biggest:,} bytes with bucket_size_mb={bucket_size_mb} "

@@ -23,9 +23,8 @@ import torch
 import torch.distributed as dist
 
 from .checknet import build_checknet, check_batch, check_loss, global_batch_for, param_names, snapshot
-from .ddp_rank import SEED, _caller, learner_call, param_table
+from .ddp_rank import SEED, learner_caller, learner_call, param_table
 from .holdings import state_holdings
-from .learner import learner_part
 from .probe import CommProbe
 
 LR_SCHEDULE = (1.0, 0.5, 0.25)   # per step, times the lr the optimizer was built with (the last one repeats)
@@ -58,11 +57,11 @@ def watched_optimizer(optimizer_cls: Any, notes: dict[str, Any]) -> Any:
 
     class Watched(optimizer_cls):  # type: ignore[valid-type, misc]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            notes["built_by"].append(_caller())
+            notes["built_by"].append(learner_caller())
             super().__init__(*args, **kwargs)
 
         def add_param_group(self, param_group: dict[str, Any]) -> None:
-            notes["grouped_by"].append(_caller())
+            notes["grouped_by"].append(learner_caller())
             super().add_param_group(param_group)
 
         def step(self, *args: Any, **kwargs: Any) -> Any:
