@@ -83,7 +83,13 @@ def _checkers() -> dict[str, Checker]:
 
 
 # Survivors that compute what the solution computes (id -> why), so that no checker could fail them.
-EQUIVALENT: dict[str, str] = {}
+EQUIVALENT: dict[str, str] = {
+    # ring, pipeline
+    "my_ring:16:11:binop:acc[0] - 0 * kv.sum()": "the tie subtracts 0 * kv.sum() instead of adding it: the same output "
+                                                 "and gradients (0 either way), and every shift still tied in",
+    "my_ring:16:20:binop:0 / kv.sum()": "the tie adds 0 / kv.sum(): 0 (kv.sum() is never 0 for random K and V), and "
+                                        "its gradient -0 / kv.sum()^2 is 0; every shift still tied in",
+}
 
 
 def solution_source(checker: Checker) -> str:
