@@ -138,6 +138,11 @@ EQUIVALENT: dict[str, str] = {
         _IDEMPOTENT + "the same settings written twice",
     "MyShardedOptimizer.step:48:20:double:dist.broadcast(param, src=self.owner[id(":
         _IDEMPOTENT + "the owner sends the value every rank already holds",
+    # ring, pipeline
+    "my_ring:16:11:binop:acc[0] - 0 * kv.sum()": "the tie subtracts 0 * kv.sum() instead of adding it: the same output "
+                                                 "and gradients (0 either way), and every shift still tied in",
+    "my_ring:16:20:binop:0 / kv.sum()": "the tie adds 0 / kv.sum(): 0 (kv.sum() is never 0 for random K and V), and "
+                                        "its gradient -0 / kv.sum()^2 is 0; every shift still tied in",
 }
 
 
