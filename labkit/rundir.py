@@ -74,9 +74,14 @@ class RunDir:
     def new(cls, root: str | Path, label: str) -> "RunDir":
         """A fresh directory under `root`, named by the time, `label` and a random tag, created now."""
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", label).strip("-")[:60] or "run"
-        path = Path(root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{slug}-{secrets.token_hex(2)}"
-        path.mkdir(parents=True)
-        return cls(path)
+        for _ in range(8):   # two launches of one label in the same second may draw the same tag: draw again
+            path = Path(root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{slug}-{secrets.token_hex(2)}"
+            try:
+                path.mkdir(parents=True)
+                return cls(path)
+            except FileExistsError:
+                continue
+        raise RunDirInUse(f"{root}: 8 new run directories for {label!r} in a row already existed")
 
     @classmethod
     def claim(cls, path: str | Path, *, resuming: bool = False) -> "RunDir":

@@ -130,3 +130,17 @@ def test_meta_is_replaced_whole_and_read_back(tmp_path):
     write_meta(tmp_path, **{**read_meta(tmp_path), "outcome": "finished"})
     assert read_meta(tmp_path)["outcome"] == "finished" and read_meta(tmp_path)["name"] == "a"
     assert [p.name for p in tmp_path.iterdir()] == ["meta.json"]   # no temporary file left beside it
+
+
+def test_a_new_run_directory_draws_another_tag_when_its_name_is_taken(tmp_path, monkeypatch):
+    """Two launches of one label in the same second may draw the same random tag (seen once in a mutation run of
+    several hundred launches): the second draws again instead of failing with FileExistsError."""
+    import labkit.rundir as rundir
+    tags = iter(["abcd", "abcd", "beef"])
+    monkeypatch.setattr(rundir.secrets, "token_hex", lambda n: next(tags))
+    monkeypatch.setattr(rundir.time, "strftime", lambda fmt: "20261207-080000")
+    first, second = rundir.RunDir.new(tmp_path, "check"), rundir.RunDir.new(tmp_path, "check")
+    assert first.path.name == "20261207-080000-check-abcd" and second.path.name == "20261207-080000-check-beef"
+    monkeypatch.setattr(rundir.secrets, "token_hex", lambda n: "abcd")
+    with pytest.raises(rundir.RunDirInUse, match="8 new run directories"):
+        rundir.RunDir.new(tmp_path, "check")
