@@ -72,3 +72,17 @@ def test_an_error_a_rank_wrote_down_names_that_rank_and_part(tmp_path):
     report = learner.report_failure(Report("x"), RankFailure(cause, [cause], tmp_path))
     assert report.blamed == ["combine"] and "rank 1: your combine raised IndexError at step 0" in report.text()
     assert "(in your combine)" in report.text()
+
+
+def test_a_rank_waiting_outside_the_learners_code_is_said_to_wait_in_the_checker(tmp_path):
+    outside = f'''Current thread 0x00007f (most recent call first):
+  File "{TORCH}/distributed/distributed_c10d.py", line 2846 in all_reduce
+  File "{LABKIT}/exercises/checks_a2a.py", line 90 in _rank
+  File "{LABKIT}/run/rank.py", line 120 in rank_main
+'''
+    statuses = [RankStatus(0, "waiting", 1, 0, "waiting inside torch (distributed_c10d.py:2846 in all_reduce)", outside),
+                RankStatus(1, "hung", 1, 0, "no progress for 9.0 s", DUMP)]
+    report = learner.report_failure(Report("x"), RankFailure(statuses[1], statuses, tmp_path))
+    assert "rank 0 waits in all_reduce in the checker's own code, after your code returned" in report.text()
+    assert report.blamed == ["combine"]
+

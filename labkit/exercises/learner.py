@@ -111,7 +111,9 @@ def report_failure(report: Report, failure: RankFailure, hang_hint: str = "") ->
     elif failure.reason == "hung":
         places = hang_places(failure)
         part = next((func for rank, (func, where, call) in sorted(places.items()) if func), "")
-        said = "; ".join(f"rank {rank} waits in {call or 'its code'} at {where or 'a line outside your code'}"
+        said = "; ".join(f"rank {rank} waits in {call or 'its code'} at {where}" if where else
+                         f"rank {rank} waits in {call or 'its code'} in the checker's own code, after your code "
+                         "returned or before it was called"
                          for rank, (func, where, call) in sorted(places.items()))
         report.add("runs", "fail", f"rank {failure.rank} made no progress{step({'step': failure.step})}"
                                    + (f" ({said})" if said else f": {failure.detail}")
