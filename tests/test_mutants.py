@@ -81,3 +81,13 @@ def test_every_checker_gets_mutants_of_its_lessons_folded_solution():
         made = mutants.mutants(mutants.solution_source(checker))
         assert len(made) >= 8, (name, len(made))
         assert {m.function.split(".")[0] for m in made} & set(checker.names), name
+
+
+def test_the_committed_table_covers_every_checker_at_90_percent_with_each_equivalent_argued():
+    data = json.loads((ROOT / "tests" / "mutants.json").read_text())
+    assert set(data) == set(mutants._checkers()), "regenerate with make mutants"
+    for name, row in data.items():
+        assert row["score"] >= 0.9, (name, row["survived"])
+        assert all(why and len(why) > 20 for why in row["equivalent"].values()), name
+        assert set(row["equivalent"]) <= set(mutants.EQUIVALENT), name
+    assert "| checker | mutants | killed |" in (ROOT / "tests" / "mutants.md").read_text()
