@@ -30,7 +30,8 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     traced.py      one step of a wrapper under torch.profiler: the trace read back, drawn, matched to the probe
     zero_runs.py   optimizer state per rank at several world sizes; training curves
     pipe_rank.py   inside a rank: drive a two-stage pipeline step;  checks_pipeline.py: judge it, one_f_one_b
-    checks_tp.py   column- and row-parallel linear layers (tensor parallelism): references, checker
+    checks_tp.py   column- and row-parallel linear layers (tensor parallelism): references, checker;
+                   tp_rank.py: inside a rank, drive them through the checker's residual block
     checks_ring.py ring attention (context parallelism): the Ring a learner uses, the reference, its checker
     checks_a2a.py  MoE dispatch and combine with all_to_all_single: the reference pair, its checker
     charts.py      timeline, bucket_sweep, state_per_rank
