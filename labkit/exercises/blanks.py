@@ -12,7 +12,9 @@ SOLUTION_MARK: it does not run, so nothing overwrites what the learner wrote, an
 that is not written yet is reported as such by its checker, and the lesson carries on with labkit's reference.
 
 In the copy, every function and method defined in a cell that starts with EXERCISE_MARK keeps its signature and
-docstring, and its body becomes `raise NotImplementedError("<name> is not written yet")`. A first cell sets
+docstring, and its body becomes `raise NotImplementedError("<name> is not written yet")`; an answer that is a number
+or a name is a top-level line `NAME = value  # ✏️ ...`, which becomes `NAME = ...  # ✏️ ...` (answers.py judges
+it); a script the learner writes is a cell starting with `%%writefile path`, EXERCISE_MARK on its second line. A first cell sets
 LABKIT_EXERCISES=blank, so each checker reports what is still missing instead of stopping the notebook, and the
 cells after it go on with labkit's reference until yours passes. Everything else in the notebook is unchanged.
 """
@@ -23,6 +25,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from .answers import ANSWER_MARK
 from .report import MODE_ENV
 
 EXERCISE_MARK = "# ✏️ EXERCISE"
@@ -32,9 +35,22 @@ MODE_CELL = (f"# A blank copy made by labkit.exercises.blank_copy: the ✏️ ce
 
 
 def blank_source(source: str) -> str:
-    """`source` with every function body (methods included) replaced by a NotImplementedError naming it."""
+    """`source` with every function body (methods included) replaced by a NotImplementedError naming it, and every
+    top-level answer line (`NAME = value  # ✏️ ...`) by `NAME = ...  # ✏️ ...`. A cell magic on the first line
+    (`%%writefile train.py`: a script the learner writes) is kept, and the script below it blanked."""
+    magic, body = split_magic(source)
+    if magic:
+        return magic + "\n" + blank_source(body)
     lines = source.split("\n")
     edits: list[tuple[int, int, str]] = []  # (first line index, last line index, replacement)
+    for node in ast.parse(source).body:
+        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
+            node.target if isinstance(node, ast.AnnAssign) and node.value is not None else None
+        last = lines[node.end_lineno - 1] if target is not None else ""
+        if isinstance(target, ast.Name) and ANSWER_MARK in last:
+            note = last[last.index(ANSWER_MARK):]
+            typed = f": {ast.unparse(node.annotation)}" if isinstance(node, ast.AnnAssign) else ""
+            edits.append((node.lineno - 1, node.end_lineno - 1, f"{ast.unparse(target)}{typed} = ...  {note}"))
 
     def visit(node: ast.AST, prefix: str) -> None:
         for child in ast.iter_child_nodes(node):
@@ -64,8 +80,23 @@ def blank_source(source: str) -> str:
     return "\n".join(lines)
 
 
+def split_magic(source: str) -> tuple[str, str]:
+    """(the cell magic line, the code below it) of a cell that starts with one (`%%writefile train.py`), else
+    ("", source): the code is what ast, a checker and ruff read."""
+    if source.startswith("%%"):
+        magic, _, body = source.partition("\n")
+        return magic, body
+    return "", source
+
+
 def is_exercise(cell: dict) -> bool:
-    return cell.get("cell_type") == "code" and "".join(cell.get("source", [])).lstrip().startswith(EXERCISE_MARK)
+    """A code cell whose first line is EXERCISE_MARK, or whose first line is a cell magic (a %%writefile script:
+    the magic must come first) and second line EXERCISE_MARK."""
+    if cell.get("cell_type") != "code":
+        return False
+    magic, body = split_magic("".join(cell.get("source", [])))
+    return body.lstrip().startswith(EXERCISE_MARK) if magic.startswith("%%writefile") else \
+        "".join(cell.get("source", [])).lstrip().startswith(EXERCISE_MARK)
 
 
 def blank_copy(notebook: str | Path, out: str | Path | None = None) -> Path:
@@ -100,7 +131,7 @@ FENCE = "```"
 
 def solution_cell(source: str) -> dict:
     """The folded markdown cell that holds an exercise's solution."""
-    title = source.splitlines()[0].removeprefix(EXERCISE_MARK).strip(" ·")
+    title = split_magic(source)[1].splitlines()[0].removeprefix(EXERCISE_MARK).strip(" ·")
     text = (f"<details><summary>✅ The solution{': ' + title if title else ''} (open it once yours has been checked, "
             f"or when stuck)</summary>\n{SOLUTION_MARK}\n\n{FENCE}python\n{source.rstrip()}\n{FENCE}\n</details>")
     return {"cell_type": "markdown", "id": hashlib.sha1(source.encode()).hexdigest()[:8], "metadata": {},
