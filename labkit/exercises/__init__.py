@@ -8,6 +8,7 @@
     report = ex.check_pipeline(my_1f1b)                       # 1F1B for two stages with send/recv
     report = ex.check_ring(my_ring)                           # ring attention, on 2 and 4 ranks
     report = ex.check_a2a(dispatch, combine)                  # MoE all-to-all dispatch and combine, 2 and 3 ranks
+    report = ex.check_ring_allreduce(my_all_reduce)           # a ring from send/recv on 2, 3 and 4 ranks
     report = ex.check_number(BUSBW, "bus bandwidth", formula=f, measured=m)   # a number written first, judged
     print(report); report.measured                            # what was checked, and the numbers behind it
     MyDDP = report.use(ex.NaiveDDP)                           # yours if it passed (blank mode: the reference)
@@ -38,6 +39,7 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     charts.py      timeline, bucket_sweep, state_per_rank
     blanks.py      stubs first, solutions folded; solved and blank copies (python -m labkit.exercises ...);
                    answer lines (NAME = value  # ✏️) and %%writefile scripts blanked too
+    checks_allreduce.py  a ring all-reduce from send/recv (lesson 24 to come): the reference, the checker
     answers.py     answers that are a number or a name: check_number (formula, measurement, the usual
                    slips named), check_name
 """
@@ -45,6 +47,7 @@ from .answers import check_name, check_number
 from .blanks import blank_copy, solved_copy, write_first
 from .checknet import CheckNet
 from .checks_a2a import a2a_combine, a2a_dispatch, a2a_reference, check_a2a
+from .checks_allreduce import check_ring_allreduce, ring_all_reduce
 from .checks_ddp import check_ddp
 from .checks_pipeline import check_pipeline, one_f_one_b
 from .checks_ring import Ring, check_ring, ring_attention
@@ -61,4 +64,4 @@ __all__ = ["check_ring", "ring_attention", "Ring", "check_ddp", "check_sharded_o
 __all__ += ["check_tp", "TP_REFERENCE", "ColumnParallelLinear", "RowParallelLinear"]
 __all__ += ["check_a2a", "a2a_dispatch", "a2a_combine", "a2a_reference"]
 __all__ += ["trace_step", "read_trace", "match_trace", "trace_timeline"]
-__all__ += ["check_number", "check_name"]
+__all__ += ["check_number", "check_name", "check_ring_allreduce", "ring_all_reduce"]
