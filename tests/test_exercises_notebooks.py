@@ -14,7 +14,7 @@ from labkit.exercises import blanks
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 EXERCISE_LESSONS = ["16_build_ddp_yourself.ipynb", "17_build_zero_yourself.ipynb", "18_pipeline_parallel.ipynb",
                     "27_tensor_and_sequence_parallel.ipynb", "19_mixture_of_experts.ipynb",
-                    "23_context_parallelism.ipynb"]
+                    "23_context_parallelism.ipynb", "24_first_principles.ipynb"]
 # Each lesson's folded solutions go through their checkers (the lesson itself runs under make test with labkit's
 # reference in its place). lesson -> [(checker of the solution's names,
 # the names report.use hands back once it passed), ...], one per exercise.
@@ -32,6 +32,13 @@ SOLUTION_CHECKS = {
     "19_mixture_of_experts.ipynb": [(lambda ns: ex.check_a2a(ns["dispatch"], ns["combine"]),
                                      lambda ns: (ns["dispatch"], ns["combine"]))],
     "23_context_parallelism.ipynb": [(lambda ns: ex.check_ring(ns["my_ring"]), lambda ns: ns["my_ring"])],
+    # a %%writefile solution is written to a file (its path in ns["%%writefile"]) and checked there
+    "24_first_principles.ipynb": [(lambda ns: ex.check_script(ns["%%writefile"]), lambda ns: ns["%%writefile"]),
+                                  (lambda ns: ex.check_swap(ns["my_swap"]), lambda ns: ns["my_swap"]),
+                                  (lambda ns: ex.check_ring_allreduce(ns["my_all_reduce"]),
+                                   lambda ns: ns["my_all_reduce"]),
+                                  (lambda ns: ex.check_number(ns["RING_SENT"], "share", formula=1.5),
+                                   lambda ns: ns["RING_SENT"])],
 }
 
 
@@ -45,7 +52,7 @@ def test_a_lesson_ships_stubs_with_each_solution_folded_after_its_checker(lesson
         checker = blanks._checker_after(cells, index)
         solution = blanks.solution_of(cells[checker + 1])
         assert solution and "NotImplementedError" not in solution and "<details>" in "".join(cells[checker + 1]["source"])
-        compile(solution, lesson, "exec")
+        compile(blanks.split_magic(solution)[1] or solution, lesson, "exec")   # a %%writefile script below its magic
         assert "NotImplementedError" in stub and stub == blanks.blank_source(solution.rstrip("\n"))   # its stub
     # and writing it first again changes nothing
     again = blanks.write_first(NOTEBOOKS / lesson, tmp_path / lesson)
@@ -72,6 +79,12 @@ def test_a_folded_solution_passes_its_checker_on_real_ranks(lesson, monkeypatch,
     namespace: dict = {"torch": torch, "dist": torch.distributed, "nn": torch.nn, "F": torch.nn.functional, "ex": ex}   # the lessons' imports
     for index in [i for i, cell in enumerate(cells) if blanks.is_exercise(cell)]:
         solution = blanks.solution_of(cells[blanks._checker_after(cells, index) + 1])
+        magic, body = blanks.split_magic(solution)
+        if magic:   # a script the learner writes: into a file, as %%writefile would
+            namespace["%%writefile"] = runs_root / "solution.py"
+            namespace["%%writefile"].parent.mkdir(parents=True, exist_ok=True)
+            namespace["%%writefile"].write_text(body)
+            continue
         exec(compile(solution, f"{lesson}'s solution", "exec"), namespace)
     for check, names in SOLUTION_CHECKS[lesson]:
         report = check(namespace)

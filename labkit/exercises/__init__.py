@@ -9,6 +9,8 @@
     report = ex.check_ring(my_ring)                           # ring attention, on 2 and 4 ranks
     report = ex.check_a2a(dispatch, combine)                  # MoE all-to-all dispatch and combine, 2 and 3 ranks
     report = ex.check_ring_allreduce(my_all_reduce)           # a ring from send/recv on 2, 3 and 4 ranks
+    report = ex.check_swap(my_swap)                           # send/recv between 2 ranks, without a deadlock
+    report = ex.check_script(ex.script_path("first_job.py"))  # your script under torchrun on 2 local ranks
     report = ex.check_number(BUSBW, "bus bandwidth", formula=f, measured=m)   # a number written first, judged
     print(report); report.measured                            # what was checked, and the numbers behind it
     MyDDP = report.use(ex.NaiveDDP)                           # yours if it passed (blank mode: the reference)
@@ -40,6 +42,8 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     blanks.py      stubs first, solutions folded; solved and blank copies (python -m labkit.exercises ...);
                    answer lines (NAME = value  # ✏️) and %%writefile scripts blanked too
     checks_allreduce.py  a ring all-reduce from send/recv (lesson 24 to come): the reference, the checker
+    checks_p2p.py  two ranks swap a tensor with send/recv (lesson 24): the reference, the checker (the deadlock)
+    checks_torchrun.py  your first script under torchrun (lesson 24): contract, checker, labkit's first_job.py
     answers.py     answers that are a number or a name: check_number (formula, measurement, the usual
                    slips named), check_name
 """
@@ -49,6 +53,8 @@ from .checknet import CheckNet
 from .checks_a2a import a2a_combine, a2a_dispatch, a2a_reference, check_a2a
 from .checks_allreduce import check_ring_allreduce, ring_all_reduce
 from .checks_ddp import check_ddp
+from .checks_p2p import check_swap, swap
+from .checks_torchrun import FIRST_JOB, check_script, script_path, torchrun_command
 from .checks_pipeline import check_pipeline, one_f_one_b
 from .checks_ring import Ring, check_ring, ring_attention
 from .checks_tp import TP_REFERENCE, ColumnParallelLinear, RowParallelLinear, check_tp
@@ -65,3 +71,4 @@ __all__ += ["check_tp", "TP_REFERENCE", "ColumnParallelLinear", "RowParallelLine
 __all__ += ["check_a2a", "a2a_dispatch", "a2a_combine", "a2a_reference"]
 __all__ += ["trace_step", "read_trace", "match_trace", "trace_timeline"]
 __all__ += ["check_number", "check_name", "check_ring_allreduce", "ring_all_reduce"]
+__all__ += ["check_swap", "swap", "check_script", "script_path", "torchrun_command", "FIRST_JOB"]

@@ -5,6 +5,7 @@
         rank, world = wire.rank, wire.world
         ...                                # wire.send(t, to) / wire.recv(t, frm) / wire.isend / wire.irecv
     report = check_ring_allreduce(my_all_reduce)
+    report.measured["sent/tensor 4 ranks"]                 # each rank's bytes sent / the tensor's bytes: 1.5 each
     my_all_reduce = report.use(ring_all_reduce)            # yours if it passed
 
 `wire` is the learner's only way to talk to the other ranks: its calls are torch.distributed's send, recv, isend
@@ -16,10 +17,12 @@ holds, chunk by chunk:
     runs         every rank finished (a raise names the rank and the learner's line; a hang, each rank's place:
                  every rank sending first with blocking send() waits for a receiver that never comes once the
                  message is larger than gloo's socket buffers)
-    values       every element is the mean over all ranks (the sum is named as the sum; a chunk that holds some
+    values       every element is what dist.all_reduce makes of the same inputs, the mean (the sum is named as the sum; a chunk that holds some
                  ranks only is named with the ranks it holds and the phase that left it so)
     traffic      each rank sent 2(n-1)/n x the tensor's bytes: more is named (the whole tensor each step, or both
                  phases sending everything), less cannot be right
+    waited       every isend/irecv request was waited for before the function returned (a result read before its
+                 irecv completed may be right by luck)
 """
 from __future__ import annotations
 
@@ -55,12 +58,27 @@ def ring_all_reduce(tensor: torch.Tensor, wire: Any) -> None:
     tensor.div_(world)
 
 
+class Request:
+    """An isend/irecv request handed to the learner: torch's Work, noting whether the learner waited for it."""
+
+    def __init__(self, work: Any, kind: str):
+        self.work, self.kind, self.waited = work, kind, False
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self.waited = True
+        return self.work.wait(*args, **kwargs)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
 class Wire:
-    """torch.distributed's point-to-point calls for the learner, counting the bytes each hands over."""
+    """torch.distributed's point-to-point calls for the learner, counting the bytes each hands over and the
+    isend/irecv requests that were never waited for."""
 
     def __init__(self, rank: int, world: int):
         self.rank, self.world = rank, world
-        self.sent_bytes, self.calls = 0, []
+        self.sent_bytes, self.calls, self.requests = 0, [], []
 
     def _note(self, kind: str, tensor: torch.Tensor, peer: int) -> None:
         if not isinstance(peer, int) or not 0 <= peer < self.world or peer == self.rank:
@@ -77,13 +95,23 @@ class Wire:
         self._note("recv", tensor, frm)
         dist.recv(tensor, src=frm)
 
-    def isend(self, tensor: torch.Tensor, to: int) -> Any:
+    def isend(self, tensor: torch.Tensor, to: int) -> Request:
         self._note("isend", tensor, to)
-        return dist.isend(tensor, dst=to)
+        self.requests.append(Request(dist.isend(tensor, dst=to), "isend"))
+        return self.requests[-1]
 
-    def irecv(self, tensor: torch.Tensor, frm: int) -> Any:
+    def irecv(self, tensor: torch.Tensor, frm: int) -> Request:
         self._note("irecv", tensor, frm)
-        return dist.irecv(tensor, src=frm)
+        self.requests.append(Request(dist.irecv(tensor, src=frm), "irecv"))
+        return self.requests[-1]
+
+    def unwaited(self) -> list[str]:
+        """The kinds of the requests the learner never waited for, each then waited here (a rank must not leave
+        with a message in flight)."""
+        left = [request for request in self.requests if not request.waited]
+        for request in left:
+            request.work.wait()
+        return [request.kind for request in left]
 
 
 def rank_input(rank: int, size: int) -> torch.Tensor:
@@ -96,8 +124,12 @@ def _drive(ctx: Any, fn: Callable, size: int, name: str) -> dict[str, Any]:
     tensor, wire = rank_input(ctx.rank, size), Wire(ctx.rank, ctx.world_size)
     with learner_part(ctx, name):
         fn(tensor, wire)
+    unwaited = wire.unwaited()
+    torchs = rank_input(ctx.rank, size)   # what torch's own all-reduce makes of the same input: the reference
+    dist.all_reduce(torchs)
     dist.barrier()
-    return {"result": tensor, "sent_bytes": wire.sent_bytes, "calls": wire.calls}
+    return {"result": tensor, "sent_bytes": wire.sent_bytes, "calls": wire.calls, "unwaited": unwaited,
+            "torchs": torchs / ctx.world_size}
 
 
 def held_ranks(values: torch.Tensor, world: int, size: int, start: int) -> list[float]:
@@ -120,13 +152,16 @@ def check_ring_allreduce(fn: Callable, *, worlds: tuple[int, ...] = (2, 3, 4), s
                                          "sending. Post the receive first on odd ranks, or use isend/irecv.")
         if outcomes is None:
             return report
-        if not (_values(report, outcomes, world, size, name) and _traffic(report, outcomes, world, size, name)):
+        # the bytes each rank handed to send/isend, as a multiple of the tensor's (for the lesson's own claims)
+        report.measured[f"sent/tensor {world} ranks"] = [out["sent_bytes"] / (size * 4) for out in outcomes]
+        if not (_values(report, outcomes, world, size, name) and _traffic(report, outcomes, world, size, name)
+                and waited(report, outcomes, f"{world} ranks", name)):
             return report
     return report
 
 
 def _values(report: Report, outcomes: list[dict], world: int, size: int, name: str) -> bool:
-    want = sum(rank_input(r, size) for r in range(world)) / world
+    want = outcomes[0]["torchs"]   # dist.all_reduce's mean, on the same inputs
     everyone = float(2 ** world - 1)
     for rank, out in enumerate(outcomes):
         got = out["result"]
@@ -187,4 +222,17 @@ def _traffic(report: Report, outcomes: list[dict], world: int, size: int, name: 
                                       "step, not the whole tensor", part=name)
         return False
     report.add("traffic", "pass", f"{world} ranks: each rank sent 2(n-1)/n of the tensor's bytes ({want:,})")
+    return True
+
+
+def waited(report: Report, outcomes: list[dict], label: str, name: str) -> bool:
+    """Fail when a rank returned with isend/irecv requests it never waited for (Wire.unwaited)."""
+    for rank, out in enumerate(outcomes):
+        if out["unwaited"]:
+            kinds = ", ".join(sorted(set(out["unwaited"])))
+            report.add("waited", "fail", f"{label}: rank {rank} returned with {len(out['unwaited'])} {kinds} "
+                                         f"request(s) never waited for: until .wait() returns, an irecv's tensor may "
+                                         "not hold the message yet and an isend's may not be reused", part=name)
+            return False
+    report.add("waited", "pass", f"{label}: every isend/irecv request was waited for")
     return True
