@@ -14,7 +14,7 @@ from labkit.exercises import blanks
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 EXERCISE_LESSONS = ["16_build_ddp_yourself.ipynb", "17_build_zero_yourself.ipynb", "18_pipeline_parallel.ipynb",
                     "27_tensor_and_sequence_parallel.ipynb", "19_mixture_of_experts.ipynb",
-                    "23_context_parallelism.ipynb"]
+                    "23_context_parallelism.ipynb", "00_first_ddp_run.ipynb", "04_communication_efficiency.ipynb"]
 # Each lesson's folded solutions go through their checkers (the lesson itself runs under make test with labkit's
 # reference in its place). lesson -> [(checker of the solution's names,
 # the names report.use hands back once it passed), ...], one per exercise.
@@ -32,6 +32,9 @@ SOLUTION_CHECKS = {
     "19_mixture_of_experts.ipynb": [(lambda ns: ex.check_a2a(ns["dispatch"], ns["combine"]),
                                      lambda ns: (ns["dispatch"], ns["combine"]))],
     "23_context_parallelism.ipynb": [(lambda ns: ex.check_ring(ns["my_ring"]), lambda ns: ns["my_ring"])],
+    "00_first_ddp_run.ipynb": [(lambda ns: ex.check_ddp_loop(ns["train"]), lambda ns: ns["train"])],
+    "04_communication_efficiency.ipynb": [(lambda ns: ex.check_accumulation(ns["accumulation_step"]),
+                                           lambda ns: ns["accumulation_step"])],
 }
 
 
@@ -70,6 +73,7 @@ def test_a_folded_solution_passes_its_checker_on_real_ranks(lesson, monkeypatch,
     monkeypatch.setenv("LABKIT_RUNS", str(runs_root))
     cells = json.loads((NOTEBOOKS / lesson).read_text())["cells"]
     namespace: dict = {"torch": torch, "dist": torch.distributed, "nn": torch.nn, "F": torch.nn.functional, "ex": ex}   # the lessons' imports
+    namespace["DDP"] = torch.nn.parallel.DistributedDataParallel   # lesson 00's import
     for index in [i for i, cell in enumerate(cells) if blanks.is_exercise(cell)]:
         solution = blanks.solution_of(cells[blanks._checker_after(cells, index) + 1])
         exec(compile(solution, f"{lesson}'s solution", "exec"), namespace)
