@@ -32,7 +32,7 @@ SOLUTION_CHECKS = {
     "19_mixture_of_experts.ipynb": [(lambda ns: ex.check_a2a(ns["dispatch"], ns["combine"]),
                                      lambda ns: (ns["dispatch"], ns["combine"]))],
     "23_context_parallelism.ipynb": [(lambda ns: ex.check_ring(ns["my_ring"]), lambda ns: ns["my_ring"])],
-    "00_first_ddp_run.ipynb": [(lambda ns: ex.check_ddp_loop(ns["train"]), lambda ns: ns["train"])],
+    "00_first_ddp_run.ipynb": [(lambda ns: ex.check_ddp_loop(ns["train_ddp"]), lambda ns: ns["train_ddp"])],
     "04_communication_efficiency.ipynb": [(lambda ns: ex.check_accumulation(ns["accumulation_step"]),
                                            lambda ns: ns["accumulation_step"])],
 }

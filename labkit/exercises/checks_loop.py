@@ -1,10 +1,10 @@
 """Write the core of data-parallel training yourself, checked on 2 gloo ranks against one process
 trained on the same samples: the DDP loop (lesson 00) and accumulation under no_sync (lesson 04).
 
-    def train(ctx, model, optimizer, batches):   # 00: one optimizer step per global batch (x, y)
+    def train_ddp(ctx, model, optimizer, batches):   # 00: one step per global batch (x, y)
         ...                               # DDP, this rank's share, zero_grad, mean loss, step
-    report = check_ddp_loop(train)
-    train = report.use(ddp_train)                  # yours if it passed
+    report = check_ddp_loop(train_ddp)
+    train_ddp = report.use(ddp_train)              # yours if it passed
 
     def accumulation_step(ddp_model, micro_batches, optimizer):   # 04: one step, one all-reduce
         ...
@@ -45,7 +45,7 @@ TOLERANCE = 1e-5
 
 
 def check_ddp_loop(fn: Callable, *, timeout: float = 20.0, runs_root: Any = None) -> Report:
-    """Run `fn(ctx, model, optimizer, batches)` on 2 gloo ranks:  check_ddp_loop(train).ok."""
+    """Run `fn(ctx, model, optimizer, batches)` on 2 gloo ranks:  check_ddp_loop(train_ddp).ok."""
     name = getattr(fn, "__name__", "your loop")
     report = Report(f"{name}: the DDP loop on {WORLD} gloo ranks, against one process on each "
                     "whole batch", implementation=fn)
