@@ -14,7 +14,8 @@ from labkit.exercises import blanks
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 EXERCISE_LESSONS = ["16_build_ddp_yourself.ipynb", "17_build_zero_yourself.ipynb", "18_pipeline_parallel.ipynb",
                     "27_tensor_and_sequence_parallel.ipynb", "19_mixture_of_experts.ipynb",
-                    "23_context_parallelism.ipynb", "24_first_principles.ipynb"]
+                    "23_context_parallelism.ipynb", "24_first_principles.ipynb", "00_first_ddp_run.ipynb",
+                    "04_communication_efficiency.ipynb"]
 # Each lesson's folded solutions go through their checkers (the lesson itself runs under make test with labkit's
 # reference in its place). lesson -> [(checker of the solution's names,
 # the names report.use hands back once it passed), ...], one per exercise.
@@ -39,6 +40,9 @@ SOLUTION_CHECKS = {
                                    lambda ns: ns["my_all_reduce"]),
                                   (lambda ns: ex.check_number(ns["RING_SENT"], "share", formula=1.5),
                                    lambda ns: ns["RING_SENT"])],
+    "00_first_ddp_run.ipynb": [(lambda ns: ex.check_ddp_loop(ns["train_ddp"]), lambda ns: ns["train_ddp"])],
+    "04_communication_efficiency.ipynb": [(lambda ns: ex.check_accumulation(ns["accumulation_step"]),
+                                           lambda ns: ns["accumulation_step"])],
 }
 
 
@@ -77,6 +81,7 @@ def test_a_folded_solution_passes_its_checker_on_real_ranks(lesson, monkeypatch,
     monkeypatch.setenv("LABKIT_RUNS", str(runs_root))
     cells = json.loads((NOTEBOOKS / lesson).read_text())["cells"]
     namespace: dict = {"torch": torch, "dist": torch.distributed, "nn": torch.nn, "F": torch.nn.functional, "ex": ex}   # the lessons' imports
+    namespace["DDP"] = torch.nn.parallel.DistributedDataParallel   # lesson 00's import
     for index in [i for i, cell in enumerate(cells) if blanks.is_exercise(cell)]:
         solution = blanks.solution_of(cells[blanks._checker_after(cells, index) + 1])
         magic, body = blanks.split_magic(solution)

@@ -46,10 +46,12 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     checks_torchrun.py  your first script under torchrun (lesson 24): contract, checker, labkit's first_job.py
     answers.py     answers that are a number or a name: check_number (formula, measurement, the usual
                    slips named), check_name
+    checks_loop.py the DDP loop (00) and accumulation under no_sync (04): references, checkers; loop_rank.py inside a rank
 """
 from .answers import check_name, check_number
 from .blanks import blank_copy, solved_copy, write_first
 from .checknet import CheckNet
+from .checks_loop import accumulate_with_no_sync, check_accumulation, check_ddp_loop, ddp_train
 from .checks_a2a import a2a_combine, a2a_dispatch, a2a_reference, check_a2a
 from .checks_allreduce import check_ring_allreduce, ring_all_reduce
 from .checks_ddp import check_ddp
@@ -72,3 +74,4 @@ __all__ += ["check_a2a", "a2a_dispatch", "a2a_combine", "a2a_reference"]
 __all__ += ["trace_step", "read_trace", "match_trace", "trace_timeline"]
 __all__ += ["check_number", "check_name", "check_ring_allreduce", "ring_all_reduce"]
 __all__ += ["check_swap", "swap", "check_script", "script_path", "torchrun_command", "FIRST_JOB"]
+__all__ += ["check_ddp_loop", "ddp_train", "check_accumulation", "accumulate_with_no_sync"]
