@@ -132,3 +132,20 @@ def test_an_events_bytes_come_from_its_shapes_and_dtype():
     assert event_elements({"args": {"Input Dims": [[[8, 64], [64]]]}}) == 8 * 64 + 64      # a tensor list
     assert event_bytes({"args": {"Input Dims": [[8]], "Input type": ["c10::BFloat16"]}}) == 16
     assert math.isnan(event_bytes({"args": {"Input Dims": [[8]]}}))                        # no dtype named
+
+
+def test_a_clock_rate_drift_is_fitted_and_a_moved_action_still_is_not():
+    """torch's profiler clock may run a few hundred ppm off perf_counter over a step a busy core stretched: one
+    offset then leaves the late actions out of torch's spans; an offset and a rate fit them. A moved action still
+    cannot be fitted by any rate within MAX_RATE."""
+    from labkit.tricks.pipeline_trace import MAX_RATE, best_rate
+    ours = [(0.1 * i, 0.1 * i + 0.05) for i in range(5)]                          # five 50 ms actions over 0.45 s
+    drift = 4e-4                                                                   # 400 ppm
+    theirs = [(7.0 + (1 + drift) * a - 1e-5, 7.0 + (1 + drift) * b + 1e-5) for a, b in ours]   # 10 µs of margin
+    args = ([s for s, _ in theirs], [e for _, e in theirs], [a for a, _ in ours], [b for _, b in ours])
+    assert best_rate(*args, max_rate=0.0)[1] < -1e-4          # one offset: short by over 0.1 ms
+    rate, room = best_rate(*args)
+    assert abs(rate - drift) < 1e-4 and room > 0, (rate, room)
+    moved = list(args[0]), list(args[1])
+    moved[0][2] += 0.002; moved[1][2] += 0.002                 # torch's third span 2 ms later than labkit's action
+    assert best_rate(*moved, *args[2:])[1] < -1e-3 and MAX_RATE <= 1e-3

@@ -110,9 +110,13 @@ def match_stage_trace(trace: PipelineTrace, actions: list[list], *, slack_s: flo
     bytes] rows for the traced step, pp.step_actions(run, step)[rank]): the same actions in the same order, and one
     clock offset that puts every one of labkit's inside torch's span of it, to `slack_s`. Returns (holds, measured).
 
-    The two clocks differ (time.perf_counter against the profiler's), by a constant within a process: labkit's
-    action must start no earlier than torch's span and end no later, so the offset must lie between
-    max(torch start - labkit start) and min(torch end - labkit end). It holds when that range is not empty."""
+    The two clocks differ (time.perf_counter against the profiler's): by an offset, and by a rate of a few parts
+    in ten thousand at most, since torch's profiler reads an approximate clock that it converts to wall time with a
+    rate it measured at start (so one offset leaves labkit's actions drifting out of torch's spans as a long step
+    goes on: a busy core stretches a step, and 0.2 ms of drift appeared over one). labkit's action must start no
+    earlier than torch's span and end no later: for a rate r (|r| <= MAX_RATE), the offset must lie between
+    max(torch start - (1 + r) labkit start) and min(torch end - (1 + r) labkit end). That room is concave in r, so
+    the best r is found by ternary search. It holds when the room at the best r is not below -slack_s."""
     ours = sorted(actions, key=lambda a: a[3])
     theirs = trace.actions
     if theirs.empty:
@@ -127,19 +131,42 @@ def match_stage_trace(trace: PipelineTrace, actions: list[list], *, slack_s: flo
         i = wrong[0]
         return False, (f"{len(wrong)} of {len(named)} actions differ in order; the first, #{i}: "
                        f"{_name(named[i])} in the trace, {_name(mine[i])} in labkit's records")
-    lowest = offset_s(trace, ours)
     # GPipe computes the last stage's loss after its "Forward i" span, and labkit's F counts the loss: there only
     # the start is held inside (the end may run past by the loss's time)
-    highest = min(e - (a[3] if s < 0 and a[0] == "F" else a[4]) for e, s, a in zip(theirs.end_s, theirs.stage, ours))
-    room = highest - lowest
+    ends = [a[3] if s < 0 and a[0] == "F" else a[4] for s, a in zip(theirs.stage, ours)]
+    rate, room = best_rate(list(theirs.start_s), list(theirs.end_s), [a[3] for a in ours], ends)
     said = f"{len(named)} actions on both, the same in the same order"
     if room < -slack_s:
         return False, f"{said}, but no one clock offset puts labkit's inside torch's spans (short by {-room * 1e3:.2f} ms)"
     spans = theirs.drop_duplicates(["label", "start_s"])   # DualPipeV's pair is one span for two actions
     inside = sum(a[4] - a[3] for a in ours) / sum(spans.end_s - spans.start_s)
     fit = f"{room * 1e3:.2f} ms of room" if room >= 0 else f"within {-room * 1e3:.2f} ms, {slack_s * 1e3:g} ms allowed"
+    fit += f"; clock rates {rate * 1e6:+.0f} ppm apart" if abs(rate) >= 1e-6 else ""
     return True, f"{said}; each of labkit's inside torch's span (one offset, {fit}); " \
                  f"labkit's compute is {inside:.0%} of torch's spans"
+
+
+MAX_RATE = 1e-3   # the largest rate at which the two clocks may part (1000 ppm; a few hundred were seen)
+
+
+def best_rate(starts: list[float], ends: list[float], ours_start: list[float], ours_end: list[float],
+              max_rate: float = MAX_RATE) -> tuple[float, float]:
+    """(rate, room): the clock rate r in [-max_rate, max_rate] that leaves the most room for one offset putting
+    every labkit span [ours_start, ours_end] inside torch's [starts, ends] by t -> offset + (1 + r) t, and that
+    room in seconds (negative: short by that much). Times are taken from labkit's first start, so r turns on it."""
+    t0 = min(ours_start)
+
+    def room(rate: float) -> float:
+        lowest = max(s - (1 + rate) * (a - t0) for s, a in zip(starts, ours_start))
+        highest = min(e - (1 + rate) * (b - t0) for e, b in zip(ends, ours_end))
+        return highest - lowest
+
+    low, high = -max_rate, max_rate
+    for _ in range(80):   # room(r) is a min of lines minus a max of lines: concave, so ternary search finds its top
+        a, b = low + (high - low) / 3, high - (high - low) / 3
+        low, high = (a, high) if room(a) < room(b) else (low, b)
+    rate = (low + high) / 2
+    return (0.0, room(0.0)) if room(0.0) >= room(rate) else (rate, room(rate))
 
 
 def _name(action: tuple) -> str:
