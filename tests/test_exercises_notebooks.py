@@ -15,7 +15,7 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 EXERCISE_LESSONS = ["16_build_ddp_yourself.ipynb", "17_build_zero_yourself.ipynb", "18_pipeline_parallel.ipynb",
                     "27_tensor_and_sequence_parallel.ipynb", "19_mixture_of_experts.ipynb",
                     "23_context_parallelism.ipynb"]
-EXERCISE_LESSONS += ["07_data_sharding.ipynb"]
+EXERCISE_LESSONS += ["07_data_sharding.ipynb", "08_seeds_and_reproducibility.ipynb"]
 # Each lesson's folded solutions go through their checkers (the lesson itself runs under make test with labkit's
 # reference in its place). lesson -> [(checker of the solution's names,
 # the names report.use hands back once it passed), ...], one per exercise.
@@ -36,6 +36,8 @@ SOLUTION_CHECKS = {
 }
 SOLUTION_CHECKS["07_data_sharding.ipynb"] = [(lambda ns: ex.check_epoch_loader(ns["epoch_loader"]),
                                               lambda ns: ns["epoch_loader"])]
+SOLUTION_CHECKS["08_seeds_and_reproducibility.ipynb"] = [(lambda ns: ex.check_seeding(ns["build_for_rank"]),
+                                                          lambda ns: ns["build_for_rank"])]
 
 
 @pytest.mark.parametrize("lesson", EXERCISE_LESSONS)

@@ -43,6 +43,7 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     answers.py     answers that are a number or a name: check_number (formula, measurement, the usual
                    slips named), check_name
     checks_data.py each rank's share of every epoch (lesson 07): sharded_loader, check_epoch_loader
+    checks_seeds.py  the same initial weights, per-rank noise (lesson 08): seeded_build, check_seeding
 """
 from .answers import check_name, check_number
 from .blanks import blank_copy, solved_copy, write_first
@@ -68,3 +69,5 @@ __all__ += ["trace_step", "read_trace", "match_trace", "trace_timeline"]
 __all__ += ["check_number", "check_name", "check_ring_allreduce", "ring_all_reduce"]
 from .checks_data import check_epoch_loader, sharded_loader
 __all__ += ["check_epoch_loader", "sharded_loader"]
+from .checks_seeds import check_seeding, seeded_build
+__all__ += ["check_seeding", "seeded_build"]
