@@ -16,6 +16,7 @@ EXERCISE_LESSONS = ["16_build_ddp_yourself.ipynb", "17_build_zero_yourself.ipynb
                     "27_tensor_and_sequence_parallel.ipynb", "19_mixture_of_experts.ipynb",
                     "23_context_parallelism.ipynb", "24_first_principles.ipynb", "00_first_ddp_run.ipynb",
                     "04_communication_efficiency.ipynb"]
+EXERCISE_LESSONS += ["07_data_sharding.ipynb", "08_seeds_and_reproducibility.ipynb"]
 # Each lesson's folded solutions go through their checkers (the lesson itself runs under make test with labkit's
 # reference in its place). lesson -> [(checker of the solution's names,
 # the names report.use hands back once it passed), ...], one per exercise.
@@ -44,6 +45,10 @@ SOLUTION_CHECKS = {
     "04_communication_efficiency.ipynb": [(lambda ns: ex.check_accumulation(ns["accumulation_step"]),
                                            lambda ns: ns["accumulation_step"])],
 }
+SOLUTION_CHECKS["07_data_sharding.ipynb"] = [(lambda ns: ex.check_epoch_loader(ns["epoch_loader"]),
+                                              lambda ns: ns["epoch_loader"])]
+SOLUTION_CHECKS["08_seeds_and_reproducibility.ipynb"] = [(lambda ns: ex.check_seeding(ns["build_for_rank"]),
+                                                          lambda ns: ns["build_for_rank"])]
 
 
 @pytest.mark.parametrize("lesson", EXERCISE_LESSONS)

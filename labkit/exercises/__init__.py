@@ -47,10 +47,14 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     answers.py     answers that are a number or a name: check_number (formula, measurement, the usual
                    slips named), check_name
     checks_loop.py the DDP loop (00) and accumulation under no_sync (04): references, checkers; loop_rank.py inside a rank
+    checks_data.py each rank's share of every epoch (lesson 07): sharded_loader, check_epoch_loader
+    checks_seeds.py  the same initial weights, per-rank noise (lesson 08): seeded_build, check_seeding
 """
 from .answers import check_name, check_number
 from .blanks import blank_copy, solved_copy, write_first
 from .checknet import CheckNet
+from .checks_data import check_epoch_loader, sharded_loader
+from .checks_seeds import check_seeding, seeded_build
 from .checks_loop import accumulate_with_no_sync, check_accumulation, check_ddp_loop, ddp_train
 from .checks_a2a import a2a_combine, a2a_dispatch, a2a_reference, check_a2a
 from .checks_allreduce import check_ring_allreduce, ring_all_reduce
@@ -75,3 +79,4 @@ __all__ += ["trace_step", "read_trace", "match_trace", "trace_timeline"]
 __all__ += ["check_number", "check_name", "check_ring_allreduce", "ring_all_reduce"]
 __all__ += ["check_swap", "swap", "check_script", "script_path", "torchrun_command", "FIRST_JOB"]
 __all__ += ["check_ddp_loop", "ddp_train", "check_accumulation", "accumulate_with_no_sync"]
+__all__ += ["check_epoch_loader", "sharded_loader", "check_seeding", "seeded_build"]
