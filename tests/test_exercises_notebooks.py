@@ -15,6 +15,8 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 EXERCISE_LESSONS = ["16_build_ddp_yourself.ipynb", "17_build_zero_yourself.ipynb", "18_pipeline_parallel.ipynb",
                     "27_tensor_and_sequence_parallel.ipynb", "19_mixture_of_experts.ipynb",
                     "23_context_parallelism.ipynb"]
+EXERCISE_LESSONS += ["03_batch_size_and_scaling.ipynb"]
+
 # Each lesson's folded solutions go through their checkers (the lesson itself runs under make test with labkit's
 # reference in its place). lesson -> [(checker of the solution's names,
 # the names report.use hands back once it passed), ...], one per exercise.
@@ -33,6 +35,8 @@ SOLUTION_CHECKS = {
                                      lambda ns: (ns["dispatch"], ns["combine"]))],
     "23_context_parallelism.ipynb": [(lambda ns: ex.check_ring(ns["my_ring"]), lambda ns: ns["my_ring"])],
 }
+SOLUTION_CHECKS["03_batch_size_and_scaling.ipynb"] = [(lambda ns: ex.check_lr_at(ns["lr_at"]),
+                                                       lambda ns: ns["lr_at"])]
 
 
 @pytest.mark.parametrize("lesson", EXERCISE_LESSONS)
