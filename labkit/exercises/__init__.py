@@ -43,6 +43,7 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     answers.py     answers that are a number or a name: check_number (formula, measurement, the usual
                    slips named), check_name
     checks_lr.py   the linear scaling rule with warmup as a pure lr_at (lesson 03): scaled_lr, check_lr_at
+    checks_ringtime.py  one all_reduce's time predicted from α and B, then measured (lesson 02)
 """
 from .answers import check_name, check_number
 from .blanks import blank_copy, solved_copy, write_first
@@ -68,3 +69,5 @@ __all__ += ["trace_step", "read_trace", "match_trace", "trace_timeline"]
 __all__ += ["check_number", "check_name", "check_ring_allreduce", "ring_all_reduce"]
 from .checks_lr import check_lr_at, scaled_lr  # noqa: E402
 __all__ += ["check_lr_at", "scaled_lr"]
+from .checks_ringtime import check_ring_time, ring_time_ms  # noqa: E402
+__all__ += ["check_ring_time", "ring_time_ms"]
