@@ -44,6 +44,7 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
                    slips named), check_name
     checks_lr.py   the linear scaling rule with warmup as a pure lr_at (lesson 03): scaled_lr, check_lr_at
     checks_ringtime.py  one all_reduce's time predicted from α and B, then measured (lesson 02)
+    checks_straggler.py the straggler found from a real run's records, planted at random (lesson 11)
 """
 from .answers import check_name, check_number
 from .blanks import blank_copy, solved_copy, write_first
@@ -71,3 +72,5 @@ from .checks_lr import check_lr_at, scaled_lr  # noqa: E402
 __all__ += ["check_lr_at", "scaled_lr"]
 from .checks_ringtime import check_ring_time, ring_time_ms  # noqa: E402
 __all__ += ["check_ring_time", "ring_time_ms"]
+from .checks_straggler import check_straggler, slowest_compute  # noqa: E402
+__all__ += ["check_straggler", "slowest_compute"]
