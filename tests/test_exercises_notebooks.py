@@ -18,7 +18,7 @@ EXERCISE_LESSONS = ["16_build_ddp_yourself.ipynb", "17_build_zero_yourself.ipynb
 EXERCISE_LESSONS += ["03_batch_size_and_scaling.ipynb"]
 # 02's answer is a number from the lesson's own fit (alpha, bandwidth): its solution needs the lesson's
 # namespace, so it is in EXERCISE_LESSONS only; tests/test_exercises_ringtime.py checks its checker.
-EXERCISE_LESSONS += ["02_backends_and_bandwidth.ipynb", "11_monitoring.ipynb"]
+EXERCISE_LESSONS += ["02_backends_and_bandwidth.ipynb", "11_monitoring.ipynb", "01_pin_versions.ipynb"]
 # Each lesson's folded solutions go through their checkers (the lesson itself runs under make test with labkit's
 # reference in its place). lesson -> [(checker of the solution's names,
 # the names report.use hands back once it passed), ...], one per exercise.
@@ -41,6 +41,9 @@ SOLUTION_CHECKS["03_batch_size_and_scaling.ipynb"] = [(lambda ns: ex.check_lr_at
                                                        lambda ns: ns["lr_at"])]
 SOLUTION_CHECKS["11_monitoring.ipynb"] = [(lambda ns: ex.check_straggler(ns["find_straggler"]),
                                            lambda ns: ns["find_straggler"])]
+SOLUTION_CHECKS["01_pin_versions.ipynb"] = [  # DIFFERS judged against what the lesson's run flags
+    (lambda ns: ex.check_differs(ns["DIFFERS"], ["env.NCCL_IB_DISABLE"]), lambda ns: ns["DIFFERS"]),
+    (lambda ns: ex.check_fields_that_differ(ns["fields_that_differ"]), lambda ns: ns["fields_that_differ"])]
 
 
 @pytest.mark.parametrize("lesson", EXERCISE_LESSONS)

@@ -45,6 +45,7 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     checks_lr.py   the linear scaling rule with warmup as a pure lr_at (lesson 03): scaled_lr, check_lr_at
     checks_ringtime.py  one all_reduce's time predicted from α and B, then measured (lesson 02)
     checks_straggler.py the straggler found from a real run's records, planted at random (lesson 11)
+    checks_fingerprint.py  the field two ranks' fingerprints differ in, named and found (lesson 01)
 """
 from .answers import check_name, check_number
 from .blanks import blank_copy, solved_copy, write_first
@@ -74,3 +75,5 @@ from .checks_ringtime import check_ring_time, ring_time_ms  # noqa: E402
 __all__ += ["check_ring_time", "ring_time_ms"]
 from .checks_straggler import check_straggler, slowest_compute  # noqa: E402
 __all__ += ["check_straggler", "slowest_compute"]
+from .checks_fingerprint import check_differs, check_fields_that_differ, differing_fields  # noqa: E402,E501
+__all__ += ["check_differs", "check_fields_that_differ", "differing_fields"]
