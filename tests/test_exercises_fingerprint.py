@@ -74,5 +74,5 @@ def test_the_field_named_is_judged_and_the_usual_wrong_answers_say_why():
     for answer, words in [("NCCL_IB_DISABLE", "the field is named 'env.NCCL_IB_DISABLE'"),
                           ("pid", "by design"), ("backend", "over gloo")]:
         report = check_differs(answer, ["env.NCCL_IB_DISABLE"])
-        assert not report.ok and words in report.text(), report.text()
+        assert not report.ok and words in report.text() and report.blamed == ["DIFFERS"]
     assert check_differs(..., ["env.NCCL_IB_DISABLE"]).missing

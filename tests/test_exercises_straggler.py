@@ -57,6 +57,7 @@ def reads_a_missing_column(records):
 def test_a_copied_answer_fails_and_a_raise_names_the_learners_line(planted):
     copied = check_straggler(always_rank_1, planted=planted)
     assert not copied.ok and copied.blamed == ["always_rank_1"], copied.text()
+    assert "whatever the records held" in copied.text(), copied.text()
     raised = check_straggler(reads_a_missing_column, planted=planted)
     assert raised.blamed == ["reads_a_missing_column"] and "KeyError" in raised.text()
     assert "test_exercises_straggler.py" in raised.text(), raised.text()

@@ -21,6 +21,7 @@ against the planted names, not against envcheck.mismatches, and names the usual 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from typing import Any, Callable
@@ -57,7 +58,11 @@ def check_differs(answer: Any, flagged: list[str]) -> Report:
              "torch": "both ranks run the same torch: one process started them both"}
     if bare:
         wrong[bare] = f"that is the variable; the field is named {want!r}, as the table shows it"
-    return check_name(answer, "the field that differs", want=want, wrong=wrong)
+    report = check_name(answer, "the field that differs", want=want, wrong=wrong)
+    # blame the learner's name, not the words that describe it
+    report.findings = [dataclasses.replace(f, part="DIFFERS") if f.part else f
+                       for f in report.findings]
+    return report
 
 
 def _drive(ctx: Any, fn: Callable, name: str, planted: list[str]) -> dict[str, Any]:
