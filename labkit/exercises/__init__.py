@@ -49,12 +49,20 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     checks_loop.py the DDP loop (00) and accumulation under no_sync (04): references, checkers; loop_rank.py inside a rank
     checks_data.py each rank's share of every epoch (lesson 07): sharded_loader, check_epoch_loader
     checks_seeds.py  the same initial weights, per-rank noise (lesson 08): seeded_build, check_seeding
+    checks_lr.py   the linear scaling rule with warmup as a pure lr_at (lesson 03): scaled_lr, check_lr_at
+    checks_ringtime.py  one all_reduce's time predicted from α and B, then measured (lesson 02)
+    checks_straggler.py the straggler found from a real run's records, planted at random (lesson 11)
+    checks_fingerprint.py  the field two ranks' fingerprints differ in, named and found (lesson 01)
 """
 from .answers import check_name, check_number
 from .blanks import blank_copy, solved_copy, write_first
 from .checknet import CheckNet
 from .checks_data import check_epoch_loader, sharded_loader
 from .checks_seeds import check_seeding, seeded_build
+from .checks_lr import check_lr_at, scaled_lr
+from .checks_ringtime import check_ring_time, ring_time_ms
+from .checks_straggler import check_straggler, slowest_compute
+from .checks_fingerprint import check_differs, check_fields_that_differ, differing_fields
 from .checks_loop import accumulate_with_no_sync, check_accumulation, check_ddp_loop, ddp_train
 from .checks_a2a import a2a_combine, a2a_dispatch, a2a_reference, check_a2a
 from .checks_allreduce import check_ring_allreduce, ring_all_reduce
@@ -80,3 +88,5 @@ __all__ += ["check_number", "check_name", "check_ring_allreduce", "ring_all_redu
 __all__ += ["check_swap", "swap", "check_script", "script_path", "torchrun_command", "FIRST_JOB"]
 __all__ += ["check_ddp_loop", "ddp_train", "check_accumulation", "accumulate_with_no_sync"]
 __all__ += ["check_epoch_loader", "sharded_loader", "check_seeding", "seeded_build"]
+__all__ += ["check_lr_at", "scaled_lr", "check_ring_time", "ring_time_ms", "check_straggler", "slowest_compute"]
+__all__ += ["check_differs", "check_fields_that_differ", "differing_fields"]
