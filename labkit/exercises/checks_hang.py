@@ -178,7 +178,7 @@ def check_hang_fix(fn: Callable, *, losses: Any = CHECK_LOSSES, threshold: float
                            runs_root=runs_root, hang_hint=HANG_HINT)
     if outcomes is None:
         return report
-    report.add("runs", "pass", f"every rank finished (no hang) within {timeout:g} s")
+    report.add("runs", "pass", "every rank finished: no hang")
     got = [out["weights"] for out in outcomes]
     if not all(isinstance(w, torch.Tensor) and w.shape == (WIDTH,) for w in got):
         report.add("weights", "fail", f"{name} returned {[type(w).__name__ for w in got]}: "
