@@ -43,6 +43,7 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     answers.py     answers that are a number or a name: check_number (formula, measurement, the usual
                    slips named), check_name
     checks_hang.py a hang report read (check_hang_report) and the planted early stop fixed (check_hang_fix)
+    checks_loader.py  a rank's DataLoader (lesson 05): its shard, workers that last; check_loader
 """
 from .answers import check_name, check_number
 from .blanks import blank_copy, solved_copy, write_first
@@ -68,3 +69,5 @@ __all__ += ["trace_step", "read_trace", "match_trace", "trace_timeline"]
 __all__ += ["check_number", "check_name", "check_ring_allreduce", "ring_all_reduce"]
 from .checks_hang import check_hang_fix, check_hang_report, train_until
 __all__ += ["check_hang_fix", "check_hang_report", "train_until"]
+from .checks_loader import check_loader, rank_loader
+__all__ += ["check_loader", "rank_loader"]
