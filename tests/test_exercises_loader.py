@@ -40,6 +40,11 @@ def wrong_batch_size(ds, batch_size, rank, world):
                       persistent_workers=True)
 
 
+def unshuffled(ds, batch_size, rank, world):
+    return DataLoader(ds, batch_size, num_workers=2, persistent_workers=True,
+                      sampler=DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=False))
+
+
 def returns_an_iterator(ds, batch_size, rank, world):
     return iter(DataLoader(ds, batch_size, sampler=_sampler(ds, rank, world)))
 
@@ -51,6 +56,7 @@ def test_each_classic_mistake_is_named_with_the_learners_function(runs_root, no_
             (restarted_each_epoch, "persistent", "workers were stopped and started again"),
             (rank_0_shard_everywhere, "shards", "the ranks loaded the same 32 samples"),
             (wrong_batch_size, "loader", "it was asked for batch_size=4"),
+            (unshuffled, "order", "the same order in every epoch"),
             (returns_an_iterator, "loader", "return the DataLoader itself")]:
         report = check_loader(fn, runs_root=runs_root)
         assert not report.ok and report.blamed == [fn.__name__], (fn.__name__, report.text())
@@ -70,14 +76,14 @@ def test_pin_memory_without_cuda_is_a_note_with_pytorchs_warning(runs_root, no_l
     assert "no accelerator is found" in report.text(), report.text()
 
 
-def one_worker_in_order(ds, batch_size, rank, world):
-    """Written another way: the sampler from the process group, unshuffled, one worker."""
-    return DataLoader(ds, batch_size=batch_size, sampler=DistributedSampler(ds, shuffle=False),
-                      num_workers=1, persistent_workers=True)
+def one_worker_from_the_group(ds, batch_size, rank, world):
+    """Written another way: the sampler's ranks read from the process group, one worker."""
+    return DataLoader(ds, batch_size=batch_size, sampler=DistributedSampler(ds), num_workers=1,
+                      persistent_workers=True)
 
 
 def test_a_loader_written_another_way_passes(runs_root, no_leftovers):
-    report = check_loader(one_worker_in_order, runs_root=runs_root)
+    report = check_loader(one_worker_from_the_group, runs_root=runs_root)
     assert report.ok, report.text()
 
 

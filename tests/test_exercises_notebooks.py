@@ -14,7 +14,8 @@ from labkit.exercises import blanks
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 EXERCISE_LESSONS = ["16_build_ddp_yourself.ipynb", "17_build_zero_yourself.ipynb", "18_pipeline_parallel.ipynb",
                     "27_tensor_and_sequence_parallel.ipynb", "19_mixture_of_experts.ipynb",
-                    "23_context_parallelism.ipynb", "12_debugging_hangs.ipynb"]
+                    "23_context_parallelism.ipynb", "12_debugging_hangs.ipynb",
+                    "05_data_loading.ipynb"]
 # Each lesson's folded solutions go through their checkers (the lesson itself runs under make test with labkit's
 # reference in its place). lesson -> [(checker of the solution's names,
 # the names report.use hands back once it passed), ...], one per exercise.
@@ -35,6 +36,7 @@ SOLUTION_CHECKS = {
     # 12's reading (HUNG_RANK, COLLECTIVE) is judged against the failure the lesson's planted run raised, which only
     # the lesson's namespace holds: the lesson checks it; here, the fix
     "12_debugging_hangs.ipynb": [(lambda ns: ex.check_hang_fix(ns["my_train_until"]), lambda ns: ns["my_train_until"])],
+    "05_data_loading.ipynb": [(lambda ns: ex.check_loader(ns["make_loader"]), lambda ns: ns["make_loader"])],
 }
 
 

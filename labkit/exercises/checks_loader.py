@@ -12,6 +12,7 @@ it took:
     loader      a DataLoader was returned, and it gives batches of batch_size
     shards      in each epoch the ranks' samples do not overlap and leave none out (without a
                 DistributedSampler every rank loads everything; with another rank's, the same shard)
+    order       each rank's shard comes in a new order each epoch (shuffled, and set_epoch called)
     workers     no sample was loaded by the rank's own process (num_workers=0: the step waits while
                 the rank makes each batch itself)
     persistent  epoch 1's samples came from the processes that made epoch 0's (new process ids: the
@@ -110,7 +111,8 @@ def check_loader(fn: Callable, *, world: int = 2, size: int = SIZE, batch_size: 
         return report
     if not _loader(report, outcomes, batch_size, name):
         return report
-    _shards(report, outcomes, size, epochs, name)
+    if _shards(report, outcomes, size, epochs, name) and epochs > 1:
+        _order(report, outcomes, name)
     if _workers(report, outcomes, name):
         _persistent(report, outcomes, name)
     _pin_memory(report, outcomes[0])
@@ -156,6 +158,20 @@ def _shards(report: Report, outcomes: list[dict], size: int, epochs: int, name: 
         return False
     report.add("shards", "pass", f"each epoch, each of the {size} samples went to exactly one of "
                                  f"the {world} ranks")
+    return True
+
+
+def _order(report: Report, outcomes: list[dict], name: str) -> bool:
+    for rank, out in enumerate(outcomes):
+        orders = [[i for e, i, _ in out["seen"] if e == epoch]
+                  for epoch in sorted({e for e, _, _ in out["seen"]})]
+        if any(order == orders[0] for order in orders[1:]):
+            report.add("order", "fail", f"rank {rank} got its shard in the same order in every "
+                                        "epoch: the sampler does not shuffle (shuffle=False); "
+                                        "shuffled, and told the epoch (set_epoch), it gives a new "
+                                        "order each epoch, the same on every rank", part=name)
+            return False
+    report.add("order", "pass", "a new order each epoch (the sampler shuffles, set_epoch)")
     return True
 
 
