@@ -95,6 +95,9 @@ def check_hang_report(rank: Any, collective: Any, failure: Any,
     """Judge a reading of `failure`, the RankFailure of a hung run of 3 ranks or more: the rank
     that never came to the collective the others wait in, and that collective (`names`: the
     learner's names for the two):  check_hang_report(2, "all_reduce", failure).ok."""
+    if failure is None:
+        raise ValueError("the planted run finished: there is no hang report to read (run the "
+                         "planted script as it ships)")
     places = waiting_in(failure)
     ops = [op for op in places.values() if op]
     common = max(set(ops), key=ops.count) if ops else ""
