@@ -21,6 +21,7 @@ EXERCISE_LESSONS += ["03_batch_size_and_scaling.ipynb"]
 # 02's answer is a number from the lesson's own fit (alpha, bandwidth): its solution needs the lesson's
 # namespace, so it is in EXERCISE_LESSONS only; tests/test_exercises_ringtime.py checks its checker.
 EXERCISE_LESSONS += ["02_backends_and_bandwidth.ipynb", "11_monitoring.ipynb", "01_pin_versions.ipynb"]
+EXERCISE_LESSONS += ["12_debugging_hangs.ipynb", "05_data_loading.ipynb"]
 # Each lesson's folded solutions go through their checkers (the lesson itself runs under make test with labkit's
 # reference in its place). lesson -> [(checker of the solution's names,
 # the names report.use hands back once it passed), ...], one per exercise.
@@ -48,6 +49,11 @@ SOLUTION_CHECKS = {
     "00_first_ddp_run.ipynb": [(lambda ns: ex.check_ddp_loop(ns["train_ddp"]), lambda ns: ns["train_ddp"])],
     "04_communication_efficiency.ipynb": [(lambda ns: ex.check_accumulation(ns["accumulation_step"]),
                                            lambda ns: ns["accumulation_step"])],
+    # 12's reading (HUNG_RANK, COLLECTIVE) is judged against the failure the lesson's planted run raised, which only
+    # the lesson's namespace holds: the lesson checks it; here, the fix
+    "12_debugging_hangs.ipynb": [(lambda ns: ex.check_hang_fix(ns["my_train_until"]),
+                                  lambda ns: ns["my_train_until"])],
+    "05_data_loading.ipynb": [(lambda ns: ex.check_loader(ns["make_loader"]), lambda ns: ns["make_loader"])],
 }
 SOLUTION_CHECKS["07_data_sharding.ipynb"] = [(lambda ns: ex.check_epoch_loader(ns["epoch_loader"]),
                                               lambda ns: ns["epoch_loader"])]
