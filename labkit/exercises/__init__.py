@@ -42,6 +42,7 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     checks_allreduce.py  a ring all-reduce from send/recv (lesson 24 to come): the reference, the checker
     answers.py     answers that are a number or a name: check_number (formula, measurement, the usual
                    slips named), check_name
+    checks_compress.py   a DDP compression hook (fp16/bf16, lesson 26): the reference fp16_hook, the checker, hook_bytes
 """
 from .answers import check_name, check_number
 from .blanks import blank_copy, solved_copy, write_first
@@ -65,3 +66,5 @@ __all__ += ["check_tp", "TP_REFERENCE", "ColumnParallelLinear", "RowParallelLine
 __all__ += ["check_a2a", "a2a_dispatch", "a2a_combine", "a2a_reference"]
 __all__ += ["trace_step", "read_trace", "match_trace", "trace_timeline"]
 __all__ += ["check_number", "check_name", "check_ring_allreduce", "ring_all_reduce"]
+from .checks_compress import check_compression_hook, fp16_hook, hook_bytes  # noqa: E402
+__all__ += ["check_compression_hook", "fp16_hook", "hook_bytes"]
