@@ -43,6 +43,7 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     answers.py     answers that are a number or a name: check_number (formula, measurement, the usual
                    slips named), check_name
     checks_compress.py   a DDP compression hook (fp16/bf16, lesson 26): the reference fp16_hook, the checker, hook_bytes
+    checks_resume.py     save and load for a resume bit for bit (lesson 13): the references, the checker
 """
 from .answers import check_name, check_number
 from .blanks import blank_copy, solved_copy, write_first
@@ -68,3 +69,5 @@ __all__ += ["trace_step", "read_trace", "match_trace", "trace_timeline"]
 __all__ += ["check_number", "check_name", "check_ring_allreduce", "ring_all_reduce"]
 from .checks_compress import check_compression_hook, fp16_hook, hook_bytes  # noqa: E402
 __all__ += ["check_compression_hook", "fp16_hook", "hook_bytes"]
+from .checks_resume import check_resume, resume_reference  # noqa: E402
+__all__ += ["check_resume", "resume_reference"]
