@@ -110,3 +110,13 @@ def test_a_hook_only_one_rank_all_reduces_in_is_reported_as_a_hang(runs_root, no
     text = report.text()
     assert not report.ok and "made no progress" in text, text
     assert "all-reduce each bucket once" in text, text
+
+
+def test_hook_bytes_runs_the_reference_on_a_configs_model(runs_root, no_leftovers, monkeypatch):
+    """What lesson 26 does with the hook that passed: DDP on its model, 2 bytes per element."""
+    from labkit import RunConfig, make_task
+    from labkit.exercises.checks_compress import hook_bytes
+    monkeypatch.setenv("LABKIT_RUNS", str(runs_root))
+    config = RunConfig(task="digits", world_size=2, global_batch=16)
+    params = sum(p.numel() for p in make_task(config).build_model().parameters())
+    assert hook_bytes(fp16_hook, config) == [2 * params, 2 * params]

@@ -49,7 +49,7 @@ BUCKET_MB = 0.004  # ~1,000 fp32 elements a bucket: CheckNet's gradients travel 
 TOLERANCE = 1e-2
 
 
-def fp16_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+def fp16_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The reference: the bucket cast to fp16 and divided by the world size, all-reduced, cast back
     in a callback."""
     group = process_group if process_group is not None else dist.group.WORLD
