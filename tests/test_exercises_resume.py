@@ -44,6 +44,12 @@ def saves_all(path, model, opt, sched, epoch, step):
     _save(path, model, opt, sched, epoch, step)
 
 
+def test_a_correct_pair_of_another_layout_passes(runs_root, no_leftovers):
+    """Flat keys, no atomic rename: still every piece saved and put back."""
+    report = check_resume(saves_all, loads_what_is_there, runs_root=runs_root)
+    assert report.ok, report.text()
+
+
 def no_optimizer_saved(path, model, opt, sched, epoch, step):
     _save(path, model, opt, sched, epoch, step, leave_out=("optimizer",))
 
