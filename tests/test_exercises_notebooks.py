@@ -22,6 +22,7 @@ EXERCISE_LESSONS += ["03_batch_size_and_scaling.ipynb"]
 # namespace, so it is in EXERCISE_LESSONS only; tests/test_exercises_ringtime.py checks its checker.
 EXERCISE_LESSONS += ["02_backends_and_bandwidth.ipynb", "11_monitoring.ipynb", "01_pin_versions.ipynb"]
 EXERCISE_LESSONS += ["12_debugging_hangs.ipynb", "05_data_loading.ipynb"]
+EXERCISE_LESSONS += ["26_mixed_precision_and_compression.ipynb", "13_checkpoint_and_resume.ipynb"]
 # Each lesson's folded solutions go through their checkers (the lesson itself runs under make test with labkit's
 # reference in its place). lesson -> [(checker of the solution's names,
 # the names report.use hands back once it passed), ...], one per exercise.
@@ -54,6 +55,10 @@ SOLUTION_CHECKS = {
     "12_debugging_hangs.ipynb": [(lambda ns: ex.check_hang_fix(ns["my_train_until"]),
                                   lambda ns: ns["my_train_until"])],
     "05_data_loading.ipynb": [(lambda ns: ex.check_loader(ns["make_loader"]), lambda ns: ns["make_loader"])],
+    "26_mixed_precision_and_compression.ipynb": [(lambda ns: ex.check_compression_hook(ns["my_fp16_hook"]),
+                                                  lambda ns: ns["my_fp16_hook"])],
+    "13_checkpoint_and_resume.ipynb": [(lambda ns: ex.check_resume(ns["save_state"], ns["load_state"]),
+                                        lambda ns: (ns["save_state"], ns["load_state"]))],
 }
 SOLUTION_CHECKS["07_data_sharding.ipynb"] = [(lambda ns: ex.check_epoch_loader(ns["epoch_loader"]),
                                               lambda ns: ns["epoch_loader"])]

@@ -55,6 +55,8 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     checks_fingerprint.py  the field two ranks' fingerprints differ in, named and found (lesson 01)
     checks_hang.py a hang report read (check_hang_report) and the planted early stop fixed (check_hang_fix)
     checks_loader.py  a rank's DataLoader (lesson 05): its shard, workers that last; check_loader
+    checks_compress.py   a DDP compression hook (fp16/bf16, lesson 26): the reference fp16_hook, the checker, hook_bytes
+    checks_resume.py     save and load for a resume bit for bit (lesson 13): the references, the checker
 """
 from .answers import check_name, check_number
 from .blanks import blank_copy, solved_copy, write_first
@@ -67,6 +69,8 @@ from .checks_straggler import check_straggler, slowest_compute
 from .checks_fingerprint import check_differs, check_fields_that_differ, differing_fields
 from .checks_hang import check_hang_fix, check_hang_report, train_until
 from .checks_loader import check_loader, rank_loader
+from .checks_compress import check_compression_hook, fp16_hook, hook_bytes
+from .checks_resume import check_resume, resume_reference
 from .checks_loop import accumulate_with_no_sync, check_accumulation, check_ddp_loop, ddp_train
 from .checks_a2a import a2a_combine, a2a_dispatch, a2a_reference, check_a2a
 from .checks_allreduce import check_ring_allreduce, ring_all_reduce
@@ -95,3 +99,4 @@ __all__ += ["check_epoch_loader", "sharded_loader", "check_seeding", "seeded_bui
 __all__ += ["check_lr_at", "scaled_lr", "check_ring_time", "ring_time_ms", "check_straggler", "slowest_compute"]
 __all__ += ["check_differs", "check_fields_that_differ", "differing_fields"]
 __all__ += ["check_hang_fix", "check_hang_report", "train_until", "check_loader", "rank_loader"]
+__all__ += ["check_compression_hook", "fp16_hook", "hook_bytes", "check_resume", "resume_reference"]
