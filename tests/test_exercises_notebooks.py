@@ -14,7 +14,7 @@ from labkit.exercises import blanks
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 EXERCISE_LESSONS = ["16_build_ddp_yourself.ipynb", "17_build_zero_yourself.ipynb", "18_pipeline_parallel.ipynb",
                     "27_tensor_and_sequence_parallel.ipynb", "19_mixture_of_experts.ipynb",
-                    "23_context_parallelism.ipynb"]
+                    "23_context_parallelism.ipynb", "06_sync_vs_async.ipynb"]
 # Each lesson's folded solutions go through their checkers (the lesson itself runs under make test with labkit's
 # reference in its place). lesson -> [(checker of the solution's names,
 # the names report.use hands back once it passed), ...], one per exercise.
@@ -32,6 +32,8 @@ SOLUTION_CHECKS = {
     "19_mixture_of_experts.ipynb": [(lambda ns: ex.check_a2a(ns["dispatch"], ns["combine"]),
                                      lambda ns: (ns["dispatch"], ns["combine"]))],
     "23_context_parallelism.ipynb": [(lambda ns: ex.check_ring(ns["my_ring"]), lambda ns: ns["my_ring"])],
+    "06_sync_vs_async.ipynb": [(lambda ns: ex.check_average(ns["average_parameters"]),
+                                lambda ns: ns["average_parameters"])],
 }
 
 

@@ -40,6 +40,7 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     blanks.py      stubs first, solutions folded; solved and blank copies (python -m labkit.exercises ...);
                    answer lines (NAME = value  # ✏️) and %%writefile scripts blanked too
     checks_allreduce.py  a ring all-reduce from send/recv (lesson 24 to come): the reference, the checker
+    checks_sync.py local SGD's periodic average (lesson 06): the reference, its checker
     answers.py     answers that are a number or a name: check_number (formula, measurement, the usual
                    slips named), check_name
 """
@@ -65,3 +66,5 @@ __all__ += ["check_tp", "TP_REFERENCE", "ColumnParallelLinear", "RowParallelLine
 __all__ += ["check_a2a", "a2a_dispatch", "a2a_combine", "a2a_reference"]
 __all__ += ["trace_step", "read_trace", "match_trace", "trace_timeline"]
 __all__ += ["check_number", "check_name", "check_ring_allreduce", "ring_all_reduce"]
+from .checks_sync import check_average, reference_average
+__all__ += ["check_average", "reference_average"]
