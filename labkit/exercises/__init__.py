@@ -41,6 +41,7 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
                    answer lines (NAME = value  # ✏️) and %%writefile scripts blanked too
     checks_allreduce.py  a ring all-reduce from send/recv (lesson 24 to come): the reference, the checker
     checks_sync.py local SGD's periodic average (lesson 06): the reference, its checker
+    checks_nanflag.py  one verdict on a non-finite loss, agreed by every rank (09): reference, checker
     answers.py     answers that are a number or a name: check_number (formula, measurement, the usual
                    slips named), check_name
 """
@@ -68,3 +69,5 @@ __all__ += ["trace_step", "read_trace", "match_trace", "trace_timeline"]
 __all__ += ["check_number", "check_name", "check_ring_allreduce", "ring_all_reduce"]
 from .checks_sync import check_average, reference_average
 __all__ += ["check_average", "reference_average"]
+from .checks_nanflag import check_all_finite, reference_all_finite
+__all__ += ["check_all_finite", "reference_all_finite"]
