@@ -15,7 +15,7 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 EXERCISE_LESSONS = ["16_build_ddp_yourself.ipynb", "17_build_zero_yourself.ipynb", "18_pipeline_parallel.ipynb",
                     "27_tensor_and_sequence_parallel.ipynb", "19_mixture_of_experts.ipynb",
                     "23_context_parallelism.ipynb", "06_sync_vs_async.ipynb",
-                    "09_gradient_clipping.ipynb"]
+                    "09_gradient_clipping.ipynb", "10_lr_schedules.ipynb"]
 # Each lesson's folded solutions go through their checkers (the lesson itself runs under make test with labkit's
 # reference in its place). lesson -> [(checker of the solution's names,
 # the names report.use hands back once it passed), ...], one per exercise.
@@ -37,6 +37,8 @@ SOLUTION_CHECKS = {
                                 lambda ns: ns["average_parameters"])],
     "09_gradient_clipping.ipynb": [(lambda ns: ex.check_all_finite(ns["all_finite"]),
                                     lambda ns: ns["all_finite"])],
+    "10_lr_schedules.ipynb": [(lambda ns: ex.check_plateau(ns["plateau_step"]),
+                               lambda ns: ns["plateau_step"])],
 }
 
 

@@ -42,6 +42,7 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     checks_allreduce.py  a ring all-reduce from send/recv (lesson 24 to come): the reference, the checker
     checks_sync.py local SGD's periodic average (lesson 06): the reference, its checker
     checks_nanflag.py  one verdict on a non-finite loss, agreed by every rank (09): reference, checker
+    checks_plateau.py  ReduceLROnPlateau fed the all-reduced held-out loss (10): reference, checker
     answers.py     answers that are a number or a name: check_number (formula, measurement, the usual
                    slips named), check_name
 """
@@ -71,3 +72,5 @@ from .checks_sync import check_average, reference_average
 __all__ += ["check_average", "reference_average"]
 from .checks_nanflag import check_all_finite, reference_all_finite
 __all__ += ["check_all_finite", "reference_all_finite"]
+from .checks_plateau import check_plateau, reference_plateau_step
+__all__ += ["check_plateau", "reference_plateau_step"]
