@@ -60,6 +60,10 @@ def late_flag(loss):
     return answer
 
 
+def inverted(loss):
+    return _flag(loss, dist.ReduceOp.MAX).item() != 0
+
+
 def test_all_finite_each_classic_mistake_is_named(runs_root, no_leftovers):
     for fn in (max_of_bad, sum_of_bad):
         report = check_all_finite(fn, worlds=(3,), runs_root=runs_root)
@@ -69,6 +73,7 @@ def test_all_finite_each_classic_mistake_is_named(runs_root, no_leftovers):
         (min_of_bad, "One bad rank was outvoted"),
         (isnan_only, "where a loss was inf, not NaN"),
         (late_flag, "one step after the non-finite losses"),
+        (inverted, "answer is inverted"),
     ]:
         _last.clear()
         report = check_all_finite(fn, worlds=(2,), runs_root=runs_root)

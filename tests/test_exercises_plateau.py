@@ -41,6 +41,11 @@ def summed(scheduler, local_val_loss):
     scheduler.step(loss.item())
 
 
+def on_a_copy(scheduler, local_val_loss):
+    dist.all_reduce(local_val_loss.clone())  # the sum lands in a copy, thrown away
+    scheduler.step(local_val_loss.item() / 2)
+
+
 def twice(scheduler, local_val_loss):
     for _ in range(2):
         reference_plateau_step(scheduler, local_val_loss)
@@ -53,7 +58,8 @@ def test_plateau_each_classic_mistake_is_named(runs_root, no_leftovers):
                                  "reference's 0.1"),
                       (summed, "fed 2.000x the mean held-out loss at epoch 0"),
                       (summed, "at epoch 4 the LRs are rank 0's 0.1, rank 1's 0.1"),
-                      (twice, "rank 0's scheduler stepped 2 times at epoch 0")]:
+                      (twice, "rank 0's scheduler stepped 2 times at epoch 0"),
+                      (on_a_copy, "its own held-out loss divided by 2 (rank 0: 0.300 at epoch 0")]:
         report = check_plateau(fn, runs_root=runs_root)
         assert not report.ok and report.blamed == [fn.__name__], (fn.__name__, report.text())
         assert words in report.text(), (fn.__name__, report.text())

@@ -63,6 +63,13 @@ def one_step_late(model, step, period):
         reference_average(model, 0, period)
 
 
+def on_a_copy(model, step, period):
+    if step % period == 0:
+        for p in model.parameters():
+            dist.all_reduce(p.data.clone())  # the sum lands in a copy, thrown away
+            p.data /= dist.get_world_size()
+
+
 def weights_only(model, step, period):
     if step % period == 0:
         for name, p in model.named_parameters():
@@ -79,8 +86,10 @@ def test_average_each_classic_mistake_is_named(runs_root, no_leftovers):
         (the_gradients, "the gradients were averaged, not the parameters"),
         (one_step_late, "off by one step"),
         (weights_only, "not on ['0.bias', '2.bias']"),
+        (on_a_copy, "its own parameters divided by 3: the all-reduce is missing"),
     ]:
-        report = check_average(fn, worlds=(3,), runs_root=runs_root)
+        world = 3 if fn in (summed, on_a_copy) else 2   # 3 ranks where the factor is said
+        report = check_average(fn, worlds=(world,), runs_root=runs_root)
         assert not report.ok and report.blamed == [fn.__name__], (fn.__name__, report.text())
         assert words in report.text(), (fn.__name__, report.text())
 

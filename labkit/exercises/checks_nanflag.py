@@ -173,6 +173,9 @@ def _judge_flag(
             f"skipped steps {done}, one step after the non-finite losses at {want}: judge "
             "this step's loss, before this step's update",
         )
+    if done == [s for s in range(steps) if s not in want]:
+        return fail("skips", f"skipped every step but {want}, where some rank's loss was NaN or "
+                             f"inf: {name}'s answer is inverted (True means every loss is finite)")
     missed = [s for s in want if s not in done]
     extra = [s for s in done if s not in want]
     if (

@@ -147,6 +147,11 @@ def _judge(report: Report, outcomes: list[dict], held_out: tuple, name: str) -> 
                                f"{mean:.3f}): the sum over the {world} ranks. Divide by the world "
                                "size")
         rank = next(r for r, v in enumerate(got) if not _close(v, mean))
+        if all(_close(v, row[r] / world) for r, v in enumerate(got)):
+            return fail("fed", f"each rank's scheduler was fed its own held-out loss divided "
+                               f"by {world} (rank {rank}: {got[rank]:.3f} at epoch {epoch}, the "
+                               f"mean is {mean:.3f}): the all-reduce is missing, or it ran on a "
+                               "copy of the tensor you then read")
         if all(_close(v, row[r]) for r, v in enumerate(got)):
             return fail("fed", f"each rank's scheduler was fed its own held-out loss (rank {rank}: "
                                f"{got[rank]:.3f} at epoch {epoch}, the mean over the ranks is "

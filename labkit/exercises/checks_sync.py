@@ -103,7 +103,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _outcome(step: int, outcomes: list[list[dict]]) -> tuple[str, Any]:
     """What the learner's call did at `step`, read the same on every rank: ("mean" | "sum" |
-    "kept" | "grads" | "partial" | "other", detail)."""
+    "kept" | "grads" | "divided" | "partial" | "other", detail)."""
     world = len(outcomes)
     rows = [o[step] for o in outcomes]
     names = list(rows[0]["before"])
@@ -118,6 +118,8 @@ def _outcome(step: int, outcomes: list[list[dict]]) -> tuple[str, Any]:
             per_name[n] = "sum"
         elif all(torch.equal(a, r["before"][n]) for a, r in zip(afters, rows)):
             per_name[n] = "kept"
+        elif all(_close(a, r["before"][n] / world) for a, r in zip(afters, rows)):
+            per_name[n] = "divided"   # its own, divided: no all-reduce, or one on a copy
         else:
             per_name[n] = "other"
     kinds = set(per_name.values())
@@ -134,6 +136,8 @@ def _outcome(step: int, outcomes: list[list[dict]]) -> tuple[str, Any]:
         n = next(n for n, k in per_name.items() if k == "sum")
         a, m = rows[0]["after"][n].flatten(), mean[n].flatten()
         return "sum", float(a @ m / (m @ m))
+    if kinds == {"divided"}:
+        return "divided", None
     if kinds <= {"mean", "kept"}:
         return "partial", [n for n, k in per_name.items() if k == "kept"]
     rank = next(
@@ -198,6 +202,12 @@ def _judge_average(
                 "values",
                 f"after step {s} the ranks agree on some parameters, not on {detail}: "
                 "average every tensor of model.parameters()",
+            )
+        if kind == "divided":
+            return fail(
+                "values",
+                f"after step {s} every rank holds its own parameters divided by {world}: the "
+                "all-reduce is missing, or it ran on a copy of p.data instead of p.data itself",
             )
         if kind == "other":
             return fail(
