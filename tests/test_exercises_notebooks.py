@@ -23,6 +23,7 @@ EXERCISE_LESSONS += ["03_batch_size_and_scaling.ipynb"]
 EXERCISE_LESSONS += ["02_backends_and_bandwidth.ipynb", "11_monitoring.ipynb", "01_pin_versions.ipynb"]
 EXERCISE_LESSONS += ["12_debugging_hangs.ipynb", "05_data_loading.ipynb"]
 EXERCISE_LESSONS += ["26_mixed_precision_and_compression.ipynb", "13_checkpoint_and_resume.ipynb"]
+EXERCISE_LESSONS += ["06_sync_vs_async.ipynb", "09_gradient_clipping.ipynb", "10_lr_schedules.ipynb"]
 # Each lesson's folded solutions go through their checkers (the lesson itself runs under make test with labkit's
 # reference in its place). lesson -> [(checker of the solution's names,
 # the names report.use hands back once it passed), ...], one per exercise.
@@ -59,6 +60,12 @@ SOLUTION_CHECKS = {
                                                   lambda ns: ns["my_fp16_hook"])],
     "13_checkpoint_and_resume.ipynb": [(lambda ns: ex.check_resume(ns["save_state"], ns["load_state"]),
                                         lambda ns: (ns["save_state"], ns["load_state"]))],
+    "06_sync_vs_async.ipynb": [(lambda ns: ex.check_average(ns["average_parameters"]),
+                                lambda ns: ns["average_parameters"])],
+    "09_gradient_clipping.ipynb": [(lambda ns: ex.check_all_finite(ns["all_finite"]),
+                                    lambda ns: ns["all_finite"])],
+    "10_lr_schedules.ipynb": [(lambda ns: ex.check_plateau(ns["plateau_step"]),
+                               lambda ns: ns["plateau_step"])],
 }
 SOLUTION_CHECKS["07_data_sharding.ipynb"] = [(lambda ns: ex.check_epoch_loader(ns["epoch_loader"]),
                                               lambda ns: ns["epoch_loader"])]

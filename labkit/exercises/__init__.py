@@ -44,6 +44,9 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     checks_allreduce.py  a ring all-reduce from send/recv (lesson 24 to come): the reference, the checker
     checks_p2p.py  two ranks swap a tensor with send/recv (lesson 24): the reference, the checker (the deadlock)
     checks_torchrun.py  your first script under torchrun (lesson 24): contract, checker, labkit's first_job.py
+    checks_sync.py local SGD's periodic average (lesson 06): the reference, its checker
+    checks_nanflag.py  one verdict on a non-finite loss, agreed by every rank (09): reference, checker
+    checks_plateau.py  ReduceLROnPlateau fed the all-reduced held-out loss (10): reference, checker
     answers.py     answers that are a number or a name: check_number (formula, measurement, the usual
                    slips named), check_name
     checks_loop.py the DDP loop (00) and accumulation under no_sync (04): references, checkers; loop_rank.py inside a rank
@@ -71,6 +74,9 @@ from .checks_hang import check_hang_fix, check_hang_report, train_until
 from .checks_loader import check_loader, rank_loader
 from .checks_compress import check_compression_hook, fp16_hook, hook_bytes
 from .checks_resume import check_resume, resume_reference
+from .checks_sync import check_average, reference_average
+from .checks_nanflag import check_all_finite, reference_all_finite
+from .checks_plateau import check_plateau, reference_plateau_step
 from .checks_loop import accumulate_with_no_sync, check_accumulation, check_ddp_loop, ddp_train
 from .checks_a2a import a2a_combine, a2a_dispatch, a2a_reference, check_a2a
 from .checks_allreduce import check_ring_allreduce, ring_all_reduce
@@ -100,3 +106,5 @@ __all__ += ["check_lr_at", "scaled_lr", "check_ring_time", "ring_time_ms", "chec
 __all__ += ["check_differs", "check_fields_that_differ", "differing_fields"]
 __all__ += ["check_hang_fix", "check_hang_report", "train_until", "check_loader", "rank_loader"]
 __all__ += ["check_compression_hook", "fp16_hook", "hook_bytes", "check_resume", "resume_reference"]
+__all__ += ["check_average", "reference_average", "check_all_finite", "reference_all_finite", "check_plateau",
+            "reference_plateau_step"]
