@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from labkit.exercises.checks_hang import check_hang_fix, check_hang_report, train_until
+from labkit.exercises.checks_hang import check_hang_fix, check_hang_report, train_until_fixed
 from labkit.run import RankFailure
 from labkit.run.failure import RankStatus
 
@@ -45,9 +45,9 @@ def test_a_reading_names_the_rank_out_of_place_and_the_collective_the_others_wai
 
 
 def test_the_reference_fix_passes_and_is_used(runs_root, no_leftovers):
-    report = check_hang_fix(train_until, runs_root=runs_root)
+    report = check_hang_fix(train_until_fixed, runs_root=runs_root)
     assert report.ok, report.text()
-    assert "stopped after 3 steps" in report.text() and report.use(None) is train_until
+    assert "stopped after 3 steps" in report.text() and report.use(None) is train_until_fixed
 
 
 def _train(ctx, losses, threshold, decide, summed=False, reduce=True):
@@ -171,4 +171,4 @@ def test_the_stub_is_not_written_yet_and_use_gives_the_reference(runs_root, no_l
     report = check_hang_fix(stub, runs_root=runs_root)
     assert not report.ok and not report.failures
     assert "my_train_until is not written yet" in report.text()
-    assert report.use(train_until) is train_until
+    assert report.use(train_until_fixed) is train_until_fixed

@@ -70,7 +70,7 @@ from .checks_lr import check_lr_at, scaled_lr
 from .checks_ringtime import check_ring_time, ring_time_ms
 from .checks_straggler import check_straggler, slowest_compute
 from .checks_fingerprint import check_differs, check_fields_that_differ, differing_fields
-from .checks_hang import check_hang_fix, check_hang_report, train_until
+from .checks_hang import check_hang_fix, check_hang_report, train_until_fixed
 from .checks_loader import check_loader, rank_loader
 from .checks_compress import check_compression_hook, fp16_hook, hook_bytes
 from .checks_resume import check_resume, resume_reference
@@ -104,7 +104,7 @@ __all__ += ["check_ddp_loop", "ddp_train", "check_accumulation", "accumulate_wit
 __all__ += ["check_epoch_loader", "sharded_loader", "check_seeding", "seeded_build"]
 __all__ += ["check_lr_at", "scaled_lr", "check_ring_time", "ring_time_ms", "check_straggler", "slowest_compute"]
 __all__ += ["check_differs", "check_fields_that_differ", "differing_fields"]
-__all__ += ["check_hang_fix", "check_hang_report", "train_until", "check_loader", "rank_loader"]
+__all__ += ["check_hang_fix", "check_hang_report", "train_until_fixed", "check_loader", "rank_loader"]
 __all__ += ["check_compression_hook", "fp16_hook", "hook_bytes", "check_resume", "resume_reference"]
 __all__ += ["check_average", "reference_average", "check_all_finite", "reference_all_finite", "check_plateau",
             "reference_plateau_step"]

@@ -2,7 +2,7 @@
 
     report = check_hang_report(HUNG_RANK, COLLECTIVE, failure)   # your reading of the report
     report = check_hang_fix(my_train_until)                      # your fix, on 2 gloo ranks
-    my_train_until = report.use(train_until)                     # yours if it passed
+    my_train_until = report.use(train_until_fixed)               # yours if it passed
 
 The planted script, `train_until(ctx, losses, threshold)`, stops early when `losses[rank, step]`
 (this rank's loss) is below `threshold`: the rank whose loss dips first leaves the loop for the
@@ -50,7 +50,7 @@ HANG_HINT = ("An early stop decided on each rank's own loss lets one rank leave 
              "shares (all-reduce the loss first), so that every rank breaks at the same step.")
 
 
-def train_until(ctx: Any, losses: torch.Tensor, threshold: float = THRESHOLD) -> torch.Tensor:
+def train_until_fixed(ctx: Any, losses: torch.Tensor, threshold: float = THRESHOLD) -> torch.Tensor:
     """The reference fix: each rank all-reduces its loss first, so that every rank stops at the
     same step, the first whose mean loss over the ranks is below `threshold`; the weights."""
     weights = torch.zeros(WIDTH)
