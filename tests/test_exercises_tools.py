@@ -124,7 +124,7 @@ def test_a_blank_body_whose_raise_would_pass_100_columns_is_wrapped():
 
 def test_blank_copy_refuses_a_notebook_without_exercises(tmp_path):
     with pytest.raises(ValueError, match="no exercise cells"):
-        blanks.blank_copy(NOTEBOOKS / "00_first_ddp_run.ipynb", tmp_path / "x.ipynb")
+        blanks.blank_copy(NOTEBOOKS / "15_playground.ipynb", tmp_path / "x.ipynb")
 
 
 def test_state_holdings_counts_adam_state_but_not_parameters_or_gradients():
