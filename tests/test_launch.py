@@ -124,9 +124,11 @@ def test_fork_is_refused_and_auto_uses_the_warm_process_when_cuda_is_initialised
 
 
 def test_two_launches_at_the_same_time_do_not_collide(tmp_path, no_leftovers):
+    # digits, not the default tinylm: each launching interpreter would import transformers' GPT-2 before forking
+    # (about 4 s of CPU each); what may collide (run directories, ports, the ranks' stores) is the same for any task.
     script = textwrap.dedent(f"""
         import labkit, sys
-        run = labkit.launch(labkit.RunConfig(world_size=2, steps=5, tensorboard=False),
+        run = labkit.launch(labkit.RunConfig(task="digits", world_size=2, steps=5, tensorboard=False),
                             runs_root=sys.argv[1], echo=False)
         print(run.path)
     """)

@@ -69,7 +69,9 @@ def node_logs(folder: Path) -> str:
 
 
 def test_the_slurm_script_runs_two_nodes_into_one_run_that_matches_a_notebook_launch(tmp_path, no_leftovers):
-    config = RunConfig(world_size=4, global_batch=32, steps=4, tensorboard=True, save_final=False)
+    # digits, not the default tinylm: each fresh torchrun rank would import transformers' GPT-2 (about 4 s of CPU
+    # each, 16 s for four ranks on two cores); the slurm script, the rendezvous and the records are what is tested.
+    config = RunConfig(task="digits", world_size=4, global_batch=32, steps=4, tensorboard=True, save_final=False)
     config.save(tmp_path / "config.json")
     shims, logs, run_dir = tmp_path / "bin", tmp_path / "logs", tmp_path / "shared" / "job"
     shims.mkdir(), logs.mkdir()
@@ -120,7 +122,8 @@ def test_the_pytorchjob_command_under_the_operators_environment_writes_one_run(t
     config_path, run_dir = command[command.index("run") + 1], command[command.index("--run-dir") + 1]
     assert Path(config_path).parent.as_posix() in mounts and Path(run_dir).parent.as_posix() in mounts
 
-    RunConfig(world_size=2, global_batch=16, steps=3, tensorboard=False).save(tmp_path / "config.json")
+    # digits: no transformers import in the fresh ranks (see the slurm test)
+    RunConfig(task="digits", world_size=2, global_batch=16, steps=3, tensorboard=False).save(tmp_path / "config.json")
     local = {config_path: str(tmp_path / "config.json"), run_dir: str(tmp_path / "runs" / "job"),
              ".venv/bin/python": sys.executable}
     cmd = [local.get(part, part) for part in command]
@@ -144,8 +147,10 @@ def test_the_pytorchjob_command_under_the_operators_environment_writes_one_run(t
     assert [r["node"] for r in run.meta["ranks"]] == [0, 1]  # the pod's PET_NODE_RANK became torchrun's node rank
 
 
-def test_a_rank_that_fails_under_torchrun_leaves_a_report_labkit_show_reads(tmp_path, no_leftovers):
-    config = RunConfig(world_size=2, steps=5, tensorboard=False, faults=(Fault(kind="raise", rank=1, step=2),))
+def test_a_rank_that_fails_under_torchrun_leaves_a_report_labkit_show_reads(tmp_path, capsys, no_leftovers):
+    # digits: no transformers import in the fresh ranks (see the slurm test)
+    config = RunConfig(task="digits", world_size=2, steps=5, tensorboard=False,
+                       faults=(Fault(kind="raise", rank=1, step=2),))
     config.save(tmp_path / "config.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "labkit", "run", str(tmp_path / "config.json"), "--run-dir", str(tmp_path / "job")]
@@ -157,9 +162,11 @@ def test_a_rank_that_fails_under_torchrun_leaves_a_report_labkit_show_reads(tmp_
     assert "rank      : 1" in cause and "InjectedFault" in cause and "To enable traceback" not in cause, done.stdout
     run = load_run(tmp_path / "job")
     assert not run.finished and run.failure().startswith("rank 1 raised at step 2: InjectedFault"), run.failure()
-    shown = subprocess.run([sys.executable, "-m", "labkit", "show", str(tmp_path / "job")], capture_output=True,
-                           text=True, timeout=60)
-    assert "rank 1 raised at step 2" in shown.stdout
+    # labkit show's main in this process, as tests/test_cli.py runs it where a real process adds nothing: a second
+    # interpreter would import torch again only to print (the entry point as a command: test_cli, test_package).
+    from labkit.cli import main
+    assert main(["show", str(tmp_path / "job")]) == 0
+    assert "rank 1 raised at step 2" in capsys.readouterr().out
 
 
 def test_ranks_whose_records_are_elsewhere_are_named(tmp_path):

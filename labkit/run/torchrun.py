@@ -11,9 +11,12 @@ same command run again later continues the job too). The process group is built 
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
+import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -73,11 +76,23 @@ def run_under_torchrun(config: RunConfig, run_dir: Path | None, timeout: float) 
 def record_for_torchrun(exc: Exception) -> None:
     """Write the exception where torchrun's agent reads a rank's error (TORCHELASTIC_ERROR_FILE), as torchelastic's
     @record decorator does: the agent's summary then names the first failure with its traceback ("Root Cause")
-    instead of "error_file: <N/A>". Nothing happens outside torchrun (no such variable)."""
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+    instead of "error_file: <N/A>". Nothing happens outside torchrun (no such variable).
+
+    Written whole or not at all (a temporary file, then os.replace): once a rank has failed, the agent SIGTERMs the
+    others and reads the error file of every rank that exited non-zero, this one too; a rank stopped half-way
+    through torchelastic's own write (ErrorHandler.record_exception truncates the file, then writes) left it empty,
+    and the agent itself died on it (JSONDecodeError in torch.distributed.run: seen once in
+    test_three_restarts_in_a_row_under_torchrun_elastic). The content is what record_exception writes."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
         return
-    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
-    get_error_handler().record_exception(exc)
+    data = {"message": {"message": f"{type(exc).__name__}: {exc}",
+                        "extraInfo": {"py_callstack": "".join(traceback.format_exception(exc)),
+                                      "timestamp": str(int(time.time()))}}}
+    partial = f"{path}.{os.getpid()}.partial"
+    with open(partial, "w") as f:
+        json.dump(data, f)
+    os.replace(partial, path)
 
 
 def elastic_store(rank: int, world: int, timeout: timedelta) -> Any:
