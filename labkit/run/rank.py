@@ -135,6 +135,7 @@ def _init(spec: RankSpec, beats: Heartbeats, port: Any) -> tuple[Any, RankContex
     ctx = join(JoinSpec(rank=spec.rank, world_size=spec.world_size, local_rank=spec.rank, ranks_here=spec.world_size,
                         backend=spec.backend, run_dir=spec.run_dir, config=spec.config, timeout_s=spec.pg_timeout_s),
                store, heartbeats=beats)
+    store.add("labkit/joined", 1)   # _finish waits for this count before any rank leaves
     beats.beat(spec.rank, state=RUNNING)
     return store, ctx
 
@@ -156,9 +157,16 @@ def _rendezvous(spec: RankSpec, port: Any, timeout: timedelta) -> Any:
 
 
 def _finish(store: Any, spec: RankSpec) -> None:
-    """Count finished ranks in the store; rank 0 hosts it, so it leaves last. No collective: ranks that
-    finish early (uneven inputs) must not enter a barrier that a busy rank would mistake for its own op."""
+    """Count finished ranks in the store; rank 0 hosts it, so it leaves last; no rank leaves before every rank has
+    joined the group. No collective: ranks that finish early (uneven inputs) must not enter a barrier that a busy
+    rank would mistake for its own op."""
     import torch.distributed as dist
+    # A rank whose function makes no collective can finish while a slower peer is still inside
+    # init_process_group: leaving then closes the sockets that peer's gloo is connecting to ("Gloo
+    # connectFullMesh failed ... Connection closed by peer", seen with a core kept busy). So no rank
+    # leaves before every rank has joined.
+    while store.add("labkit/joined", 0) < spec.world_size:
+        time.sleep(0.002)
     store.add("labkit/finished", 1)
     if spec.rank == 0:
         while store.add("labkit/finished", 0) < spec.world_size:
