@@ -1,6 +1,7 @@
 # labkit: make lab (JupyterLab on the notebooks) | make test (everything, quick mode) | make book (HTML site)
 #         make bench (every benchmark, one table of ratios) | make test-browser (lessons in headless Chromium)
 #         make test-floor (the tests at the lowest versions pyproject.toml allows) | make mutants (the checkers)
+#         make test-classroom (nbgrader's own generate_assignment and autograde on a lesson, in a venv of its own)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,7 +9,7 @@ STAMP := $(VENV)/.installed
 # Runs made by tests and notebooks under `make test` go to a scratch folder, not the repository.
 TEST_RUNS ?= $(or $(TMPDIR),/tmp)/labkit-test-runs
 
-.PHONY: install lab test book clean bench test-browser test-floor mutants
+.PHONY: install lab test book clean bench test-browser test-floor mutants test-classroom
 
 install: $(STAMP)
 
@@ -65,6 +66,22 @@ test-floor: $(FLOOR)/.installed
 	LABKIT_QUICK=1 LABKIT_RUNS=$(TEST_RUNS)-floor LABKIT_CLAIMS_LOG=$(TEST_RUNS)-floor/claims.jsonl MPLBACKEND=Agg \
 		$(FLOOR)/bin/python -m pytest tests $(addprefix --ignore=tests/,$(FLOOR_IGNORE)) \
 		--deselect tests/test_envcheck.py::test_this_environment_runs_exactly_what_the_kits_lock_pins -v --durations=10
+
+# nbgrader (the classroom extra) in a venv of its own, since it brings notebook 7 and a database and turns on its
+# menus in JupyterLab: its generate_assignment and autograde run on lesson 24's solutions edition, and each test
+# cell's score must be the verdict `python -m labkit.exercises grade` gives (tests/test_nbgrader.py; make test
+# skips it). About 5 min to install on 2 busy cores, 2 min to run: not in CI, whose budget make test fills.
+CLASSROOM := .venv-classroom
+
+$(CLASSROOM)/.installed: pyproject.toml requirements.lock
+	test -d $(CLASSROOM) || $(PYTHON) -m venv $(CLASSROOM)
+	$(CLASSROOM)/bin/python -m pip install --quiet --upgrade "pip==26.3"
+	$(CLASSROOM)/bin/python -m pip install --quiet "torch==2.13.0"
+	$(CLASSROOM)/bin/python -m pip install --quiet -c requirements.lock -e ".[lab,test,classroom]"
+	touch $@
+
+test-classroom: $(CLASSROOM)/.installed
+	LABKIT_QUICK=1 MPLBACKEND=Agg $(CLASSROOM)/bin/python -m pytest tests/test_nbgrader.py tests/test_classroom.py -v
 
 # Each lesson is executed once (into site/executed/), then converted to HTML; tools/book.py writes site/index.html
 # (the course map and its tracks, the source articles' folklore judged by the claims the lessons logged while

@@ -39,6 +39,8 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     checks_ring.py ring attention (context parallelism): the Ring a learner uses, the reference, its checker
     checks_a2a.py  MoE dispatch and combine with all_to_all_single: the reference pair, its checker
     charts.py      timeline, bucket_sweep, state_per_rank
+    editions.py    the classroom: student and solutions editions in nbgrader's form (python -m labkit.exercises
+                   student|solutions OUTDIR); grading.py: grade learners' notebooks headless (... grade)
     blanks.py      stubs first, solutions folded; solved and blank copies (python -m labkit.exercises ...);
                    answer lines (NAME = value  # ✏️) and %%writefile scripts blanked too
     checks_allreduce.py  a ring all-reduce from send/recv (lesson 24 to come): the reference, the checker

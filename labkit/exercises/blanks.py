@@ -31,7 +31,7 @@ from .report import MODE_ENV
 EXERCISE_MARK = "# ✏️ EXERCISE"
 MODE_CELL = (f"# A blank copy made by labkit.exercises.blank_copy: the ✏️ cells are yours to fill in.\n"
              f"# Checkers say what is missing; until yours passes, the cells below use labkit's reference.\n"
-             f"import os\nos.environ[{MODE_ENV!r}] = \"blank\"")
+             f"import os\nos.environ.setdefault({MODE_ENV!r}, \"blank\")   # a grader's mode wins")
 
 
 def blank_source(source: str) -> str:
@@ -42,7 +42,33 @@ def blank_source(source: str) -> str:
     if magic:
         return magic + "\n" + blank_source(body)
     lines = source.split("\n")
-    edits: list[tuple[int, int, str]] = []  # (first line index, last line index, replacement)
+    for first, last, replacement, _ in sorted(_solution_spans(source), reverse=True):
+        lines[first:last + 1] = [replacement]
+    return "\n".join(lines)
+
+
+BEGIN_SOLUTION, END_SOLUTION = "### BEGIN SOLUTION", "### END SOLUTION"   # nbgrader's markers
+
+
+def region_source(source: str) -> str:
+    """`source` with what blank_source would empty wrapped in nbgrader's solution markers, at the indentation of
+    what they hold: inside each function body (its signature and docstring stay outside), around each answer line.
+    nbgrader's generate_assignment replaces each region with its stub; blank_source(source) is labkit's stub."""
+    magic, body = split_magic(source)
+    if magic:
+        return magic + "\n" + region_source(body)
+    lines = source.split("\n")
+    for first, last, _, indent in sorted(_solution_spans(source), reverse=True):
+        if last >= first:   # an insertion (a body that is only a docstring) holds no solution to mark
+            lines[first:last + 1] = [indent + BEGIN_SOLUTION, *lines[first:last + 1], indent + END_SOLUTION]
+    return "\n".join(lines)
+
+
+def _solution_spans(source: str) -> list[tuple[int, int, str, str]]:
+    """(first line index, last line index, the stub's replacement, indentation) of each part of `source` that is
+    the learner's to write: each function body after its docstring, each top-level answer line."""
+    lines = source.split("\n")
+    edits: list[tuple[int, int, str, str]] = []
     for node in ast.parse(source).body:
         target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
             node.target if isinstance(node, ast.AnnAssign) and node.value is not None else None
@@ -50,7 +76,7 @@ def blank_source(source: str) -> str:
         if isinstance(target, ast.Name) and ANSWER_MARK in last:
             note = last[last.index(ANSWER_MARK):]
             typed = f": {ast.unparse(node.annotation)}" if isinstance(node, ast.AnnAssign) else ""
-            edits.append((node.lineno - 1, node.end_lineno - 1, f"{ast.unparse(target)}{typed} = ...  {note}"))
+            edits.append((node.lineno - 1, node.end_lineno - 1, f"{ast.unparse(target)}{typed} = ...  {note}", ""))
 
     def visit(node: ast.AST, prefix: str) -> None:
         for child in ast.iter_child_nodes(node):
@@ -70,14 +96,16 @@ def blank_source(source: str) -> str:
                     raise_line = (indent + "raise NotImplementedError(\n" + indent + "    "
                                   + f'"{prefix}{child.name} is not written yet")')
                 if rest:
-                    edits.append((rest[0].lineno - 1, child.end_lineno - 1, raise_line))
+                    # a comment line just above the first statement belongs to the body too
+                    first = rest[0].lineno - 1
+                    while first - 1 >= body[0].end_lineno and lines[first - 1].strip().startswith("#"):
+                        first -= 1
+                    edits.append((first, child.end_lineno - 1, raise_line, indent))
                 else:
-                    edits.append((child.end_lineno, child.end_lineno - 1, raise_line))
+                    edits.append((child.end_lineno, child.end_lineno - 1, raise_line, indent))
 
     visit(ast.parse(source), "")
-    for first, last, replacement in sorted(edits, reverse=True):
-        lines[first:last + 1] = [replacement]
-    return "\n".join(lines)
+    return edits
 
 
 def split_magic(source: str) -> tuple[str, str]:

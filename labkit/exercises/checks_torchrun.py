@@ -58,9 +58,12 @@ def torchrun_command(path: str | Path, nproc: int = 2) -> list[str]:
 
 
 def _unwritten(node: ast.AST) -> bool:
-    """A `raise NotImplementedError("... not written yet")`, as blanks.py writes a stub's body."""
-    return isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and \
-        getattr(node.exc.func, "id", "") == "NotImplementedError" and "not written yet" in ast.unparse(node.exc)
+    """A `raise NotImplementedError("... not written yet")`, as blanks.py writes a stub's body, or nbgrader's
+    `raise NotImplementedError()` (its student copy's stub)."""
+    exc = node.exc if isinstance(node, ast.Raise) else None
+    if isinstance(exc, ast.Call) and getattr(exc.func, "id", "") == "NotImplementedError":
+        return not exc.args or "not written yet" in ast.unparse(exc)
+    return getattr(exc, "id", "") == "NotImplementedError"
 
 
 def _calls(tree: ast.AST) -> set[str]:
@@ -89,7 +92,7 @@ def check_script(path: str | Path, *, nproc: int = 2, timeout: float = 10.0) -> 
         job = supervise(torchrun_command(path, nproc), target, timeout, startup_timeout=timeout, output=out)
     output = target.job_output.read_text(errors="replace")
     report.run_dir, report.measured["output"] = target.path, output
-    if "NotImplementedError" in output and "not written yet" in output:
+    if re.search(r"^NotImplementedError(: .*not written yet.*)?$", output, re.M):
         report.add("written", "missing", "main is not written yet (the script raised NotImplementedError). Write it "
                                          "in the ✏️ cell, run that cell, and run the check again.")
         return report

@@ -26,7 +26,10 @@ The standard every checker meets (issue 46; tests/test_checker_standard.py and e
 """
 from __future__ import annotations
 
+import ast
+import linecache
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,9 +39,20 @@ STATUSES = ("pass", "fail", "missing", "note")
 _MARKS = {"pass": "✓", "fail": "✗", "missing": "…", "note": "·"}
 
 
+GRADERS_ENV = "NBGRADER_EXECUTION"   # nbgrader sets it in the kernel it grades with ("autograde", "validate")
+
+
+def grade_mode() -> bool:
+    """True when a notebook is being graded (LABKIT_EXERCISES=grade, or nbgrader's autograde or validate): a stub
+    not written yet raises in its checker cell, as a wrong solution does."""
+    return os.environ.get(MODE_ENV, "").strip().lower() == "grade" or \
+        os.environ.get(GRADERS_ENV, "").strip().lower() in ("autograde", "validate")
+
+
 def blank_mode() -> bool:
-    """True when LABKIT_EXERCISES=blank: checkers report what is missing instead of failing the notebook."""
-    return os.environ.get(MODE_ENV, "").strip().lower() == "blank"
+    """True when LABKIT_EXERCISES=blank (and not grading): checkers report what is missing instead of failing the
+    notebook."""
+    return os.environ.get(MODE_ENV, "").strip().lower() == "blank" and not grade_mode()
 
 
 class ExerciseFailed(AssertionError):
@@ -120,10 +134,12 @@ class Report:
         printer.text(self.text())
 
     def require(self) -> bool:
-        """Raise ExerciseFailed if something written is wrong (blank mode: print it instead); True if it passed,
-        False if it is not written yet."""
+        """Raise ExerciseFailed if something written is wrong (blank mode: print it instead; grading: raise for a
+        stub not written yet too); True if it passed, False if it is not written yet."""
         if self.ok:
             return True
+        if grade_mode():   # graded: not written scores nothing, as wrong code does
+            raise ExerciseFailed(self.text())
         if not self.failures:
             print(f"[not written yet] {self.subject}: the report above says what is left.")
             return False
@@ -135,8 +151,33 @@ class Report:
     def use(self, reference: Any = None) -> Any:
         """The checked implementation if it passed; labkit's `reference` (said out loud) if it is not written yet, or
         in blank mode, so that the lesson can go on; otherwise raise ExerciseFailed with the report."""
+        if grade_mode() and not self.ok:
+            _assign_in_caller(sys._getframe(1), reference)   # the lesson goes on with the reference
         if self.require():
             return self.implementation
         why = "[not written yet]" if not self.failures else "[blank mode]"
         print(f"{why} the cells below use labkit's {getattr(reference, '__name__', reference)} until yours passes.")
         return reference
+
+
+def _assign_in_caller(frame: Any, reference: Any) -> None:
+    """Graded, a checker cell raises, so it scores nothing; but the lesson must go on with labkit's reference, as it
+    does for a learner, or every later cell fails too. So the names a top-level `NAME = report.use(reference)` (or
+    `A, B = ...`) in a notebook cell assigns are given the reference before the raise. Best effort: anything else
+    is left alone."""
+    if frame is None or frame.f_globals is not frame.f_locals:
+        return
+    try:
+        tree = ast.parse("".join(linecache.getlines(frame.f_code.co_filename)))
+    except (SyntaxError, ValueError):
+        return
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and node.lineno <= frame.f_lineno <= node.end_lineno \
+                and len(node.targets) == 1:
+            target = node.targets[0]
+            if isinstance(target, ast.Name):
+                frame.f_globals[target.id] = reference
+            elif isinstance(target, ast.Tuple) and all(isinstance(t, ast.Name) for t in target.elts) \
+                    and isinstance(reference, tuple) and len(reference) == len(target.elts):
+                frame.f_globals.update({t.id: value for t, value in zip(target.elts, reference)})
+            return
