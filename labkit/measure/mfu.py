@@ -1,11 +1,10 @@
-"""MFU, model FLOPs utilization: the share of the ranks' peak FLOP/s that the model's own arithmetic used.
+"""MFU, model FLOPs utilization: the share of the ranks' peak FLOP/s the model's arithmetic used.
 
-    run = labkit.launch(labkit.RunConfig(world_size=2, steps=12))
-    mfu(run)                          # Run.mfu with one rank's peak measured by a matmul: mfu, and its parts
-    run.mfu(peak_flops=989e12)        # the same with a peak you know (an H100's bf16 dense peak)
-    flops_per_token(params=70e9 - 0.26e9, layers=80, hidden=8192, seq=4096)   # 4.507e11: 6N + 12·L·h·s
+    mfu(run)                     # Run.mfu, one rank's peak measured by a matmul: mfu and its parts
+    run.mfu(peak_flops=989e12)   # the same with a peak you know (an H100's dense bf16 peak)
+    flops_per_token(params=70e9 - 0.26e9, layers=80, hidden=8192, seq=4096)   # 4.507e11
     utilization(achieved_flops_per_s=3e17, peak_flops=989e12, ranks=1024)    # 0.296
-    matmul_flops()                    # one fp32 thread's FLOP/s here, from square matmuls
+    matmul_flops()               # one fp32 thread's FLOP/s here, from square matmuls
 
 The formula (PaLM, Chowdhery et al. 2022, appendix B; nanoGPT's estimate_mfu counts the same):
 
@@ -13,27 +12,31 @@ The formula (PaLM, Chowdhery et al. 2022, appendix B; nanoGPT's estimate_mfu cou
     achieved FLOP/s  = FLOPs per token x tokens per second (all ranks together)
     MFU              = achieved FLOP/s / (peak FLOP/s of one rank x ranks)
 
-6N: a matmul with N parameters costs 2N FLOPs per token forward (a multiply and an add per weight) and 4N backward
-(the gradient of the input and of the weight, 2N each): 3 x forward. 12·L·h·s: attention's own matmuls, which have
-no parameters: a token's query against s keys (2·h·s FLOPs) and its weights against s values (2·h·s), per layer
-forward, times 3 with backward. The whole s x s score matrix is counted, as PaLM counts it: a causal mask leaves
-half of it unneeded, and a kernel that skips the masked blocks (FlashAttention) does half this term; the eager
-attention the toy models run here computes it whole, then masks it. Softmax, norms and the optimizer are left out:
-model FLOPs are the matmuls the model needs, whatever the implementation recomputes (activation recomputation
-raises hardware FLOPs, not model FLOPs).
+6N: a matmul with N parameters costs 2N FLOPs per token forward (a multiply and an add per
+weight) and 4N backward (the gradients of its input and of its weight, 2N each): 3 x forward.
+12·L·h·s: attention's own matmuls, which have no parameters: a token's query against s keys
+(2·h·s FLOPs) and its weights against s values (2·h·s), per layer forward, 3 x that with
+backward. The whole s x s score matrix is counted, as PaLM counts it: a causal mask makes half
+of it unneeded, and a kernel that skips the masked blocks (FlashAttention) does half this term;
+the eager attention of the toy models here computes it whole, then masks it. Softmax, norms and
+the optimizer are left out. Model FLOPs are what the model needs, whatever an implementation
+recomputes (activation recomputation raises hardware FLOPs, not model FLOPs).
 
-Which parameters N counts (labkit's convention, written with each run's first records by Task.model_fields):
-- not the embedding lookups: position embeddings, and token embeddings that are only looked up (an index, no
-  matmul). A token embedding tied to the output layer (GPT-2's, tinylm's) is that layer's matmul weight: counted.
-  So N = model_params_active - model_params_embedding; nanoGPT leaves out the position embedding alone, for the
-  same reason;
-- for a mixture of experts, the parameters one token uses (model_params_active): the router, the shared expert
-  and top_k of the E routed experts of each layer, never all E (tinymoe, DeepSeek-V3: 671B total, 37B active).
+Which parameters N counts (labkit's convention; Task.model_fields records the counts with each
+rank's first step, Run.model() reads them):
+- not the embedding lookups (model_params_embedding): position embeddings, and token embeddings
+  that are only looked up (an index, no matmul). A token embedding tied to the output layer
+  (GPT-2's, tinylm's) is that layer's matmul weight and is counted. nanoGPT leaves out the
+  position embedding alone, for the same reason;
+- for a mixture of experts, the parameters one token uses (model_params_active): the router, the
+  shared expert and top_k of the E routed experts of each layer, never all E (DeepSeek-V3: 671B
+  parameters, 37B active).
+So N = model_params_active - model_params_embedding (matmul_params). A run recorded before
+labkit wrote these counts has none: Run.mfu says what is `missing` instead of a number.
 
-Runs recorded before labkit wrote these counts have none: Run.mfu says what is `missing` instead of a number.
-The peak is per rank: a rank here is one process on one CPU core (one fp32 thread, what matmul_flops measures); on
-GPUs it is the GPU's datasheet peak at the run's precision. Runs with more ranks than cores share the cores, and
-their MFU against ranks x peak counts a peak the machine does not have.
+The peak is per rank: a rank here is one process on one CPU core (one fp32 thread, what
+matmul_flops measures); on GPUs, the GPU's datasheet peak at the run's precision. Runs with more
+ranks than cores share the cores: their MFU against ranks x peak counts a peak the machine lacks.
 """
 from __future__ import annotations
 
@@ -53,7 +56,7 @@ def matmul_params(model: dict[str, int]) -> int:
 
 
 def utilization(achieved_flops_per_s: float, peak_flops: float, ranks: int) -> float:
-    """MFU: the achieved FLOP/s of all ranks over the peak of all ranks (`peak_flops` is one rank's)."""
+    """MFU: all ranks' achieved FLOP/s over all ranks' peak (`peak_flops` is one rank's)."""
     return achieved_flops_per_s / (peak_flops * ranks)
 
 
@@ -63,7 +66,8 @@ def mfu(run: Run, peak_flops: float | None = None) -> dict[str, Any]:
 
 
 def matmul_flops(size: int = 256, seconds: float = 0.3) -> float:
-    """FLOP/s of one fp32 thread here, from square matmuls (what one rank computes with):  matmul_flops()."""
+    """FLOP/s of one fp32 thread here, from square matmuls (what one rank computes with):
+    matmul_flops()."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
