@@ -31,7 +31,6 @@ from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
-import torch
 from matplotlib.figure import Figure
 
 from ..config import RunConfig
