@@ -16,6 +16,7 @@ Reading:
     run.steps()       # one row per step: mean loss, loss spread over ranks, lr, global throughput
     run.summary()     # median throughput, final loss, time to first step
     run.lr_disagreement()   # the first step where the ranks' LRs differ (None: they agree)
+    run.mfu(peak_flops=1e11)  # model FLOPs utilization, from the model's counts its records hold (labkit.measure.mfu)
 """
 from __future__ import annotations
 
@@ -196,6 +197,26 @@ class Run:
             "time_to_first_step_s": float(first - launched) if launched else math.nan,
         })
 
+    def model(self) -> dict[str, int]:
+        """The model's counts and shape, from the first records (Task.model_fields); {} before labkit wrote them."""
+        got = {c[6:]: self.df[c].dropna() for c in self.df.columns if str(c).startswith("model_")}
+        return {k: int(v.iloc[0]) for k, v in got.items() if len(v)}
+
+    def mfu(self, peak_flops: float | None = None) -> Summary:
+        """Model FLOPs utilization, flops_per_token x tokens_per_s (whole_run_throughput) / (peak_flops x ranks), with
+    its parts or what is `missing`; labkit.measure.mfu(run) measures one rank's peak_flops and explains the parts."""
+        m, tokens_per_s = self.model(), whole_run_throughput(self.df, "tokens")
+        need = [k for k in ("params_active", "params_embedding", "layers", "hidden", "seq_len") if k not in m]
+        per_token = math.nan if need else flops_per_token(m["params_active"] - m["params_embedding"], m["layers"],
+                                                          m["hidden"], m["seq_len"])
+        out = Summary(flops_per_token=per_token, tokens_per_s=tokens_per_s, achieved_flops_per_s=per_token
+                      * tokens_per_s, peak_flops=peak_flops or math.nan, ranks=self.world_size)
+        out["mfu"] = out["achieved_flops_per_s"] / (out["peak_flops"] * self.world_size)
+        if need or not peak_flops:   # an old run (or a model without tokens), or no peak: say which
+            out["missing"] = (f"model_{', model_'.join(need)}: recorded by a labkit before MFU, or no token model"
+                              if need else "peak_flops: labkit.measure.mfu(run) measures one rank's by a matmul")
+        return out
+
     def lr_disagreement(self) -> int | None:
         """The first step at which the ranks' recorded LRs differ, or None when they agree at every step: a
     per-rank LR decision (a scheduler fed each rank's own loss) silently trains the ranks differently."""
@@ -210,8 +231,7 @@ class Run:
     An attempt that failed before recording anything has its failure and no steps."""
         df = self.read_records(superseded=True)
         noted = {a["attempt"]: a for a in read_meta(self.path).get("attempts", [])}
-        if df.empty:
-            df = pd.DataFrame(columns=["attempt", "step", "time"])
+        df = pd.DataFrame(columns=["attempt", "step", "time"]) if df.empty else df
         df = df.assign(attempt=df["attempt"].fillna(0).astype(int)) if "attempt" in df else df.assign(attempt=0)
         g = df.groupby("attempt")
         out = pd.DataFrame({"first_step": g["step"].min(), "last_step": g["step"].max(),
@@ -264,8 +284,7 @@ def per_step(df: pd.DataFrame) -> pd.DataFrame:
     if df.empty or "loss" not in df:
         return pd.DataFrame(columns=["step", "loss", "loss_min", "loss_max", "lr", "samples_per_s", "tokens_per_s"])
     g = df.groupby("step", sort=True)
-    out = pd.DataFrame({"loss": g["loss"].mean(),
-                        "loss_min": g["loss"].min(), "loss_max": g["loss"].max()})
+    out = pd.DataFrame({"loss": g["loss"].mean(), "loss_min": g["loss"].min(), "loss_max": g["loss"].max()})
     if "lr" in df:
         out["lr"] = g["lr"].first()
     if "t_step" in df and "samples" in df:
@@ -289,15 +308,19 @@ def slowest_per_step(df: pd.DataFrame, columns: tuple[str, ...] | list[str], aft
     return df[df["step"] >= after].groupby("step")[list(columns)].max()
 
 
-def whole_run_throughput(df: pd.DataFrame) -> float:
-    """Global samples/s after the first step: all samples / the slowest rank's total time. Unlike the median of
-    per-step rates (each over that step's slowest rank), jitter between ranks' step boundaries does not bias it."""
-    if df.empty or "t_step" not in df or "samples" not in df:
+def whole_run_throughput(df: pd.DataFrame, of: str = "samples") -> float:
+    """Global samples/s (`of`: or tokens) after the first step: all samples / the slowest rank's total time. Unlike
+    the median of per-step rates (each over that step's slowest rank), jitter at step boundaries does not bias it."""
+    if df.empty or "t_step" not in df or of not in df:
         return math.nan
     later = df[df["step"] > df["step"].min()]
-    if later.empty:
-        later = df
-    return float(later["samples"].sum() / later.groupby("rank")["t_step"].sum().max())
+    later = df if later.empty else later
+    return float(later[of].sum() / later.groupby("rank")["t_step"].sum().max())
+
+
+def flops_per_token(params: float, layers: int, hidden: int, seq: int) -> float:
+    """Model FLOPs to train on one token: 6N + 12·L·h·s (PaLM, appendix B; labkit.measure.mfu says why)."""
+    return 6 * params + 12 * layers * hidden * seq
 
 
 def load_run(path: str | Path) -> Run:

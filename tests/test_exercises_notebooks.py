@@ -24,6 +24,7 @@ EXERCISE_LESSONS += ["02_backends_and_bandwidth.ipynb", "11_monitoring.ipynb", "
 EXERCISE_LESSONS += ["12_debugging_hangs.ipynb", "05_data_loading.ipynb"]
 EXERCISE_LESSONS += ["26_mixed_precision_and_compression.ipynb", "13_checkpoint_and_resume.ipynb"]
 EXERCISE_LESSONS += ["06_sync_vs_async.ipynb", "09_gradient_clipping.ipynb", "10_lr_schedules.ipynb"]
+EXERCISE_LESSONS += ["14_zero_and_tensor_parallel.ipynb"]
 # Each lesson's folded solutions go through their checkers (the lesson itself runs under make test with labkit's
 # reference in its place). lesson -> [(checker of the solution's names,
 # the names report.use hands back once it passed), ...], one per exercise.
@@ -75,6 +76,9 @@ SOLUTION_CHECKS["03_batch_size_and_scaling.ipynb"] = [(lambda ns: ex.check_lr_at
                                                        lambda ns: ns["lr_at"])]
 SOLUTION_CHECKS["11_monitoring.ipynb"] = [(lambda ns: ex.check_straggler(ns["find_straggler"]),
                                            lambda ns: ns["find_straggler"])]
+# 14's my_mfu: the lesson checks it against its ddp run's records; here the checker trains its own run
+SOLUTION_CHECKS["14_zero_and_tensor_parallel.ipynb"] = [(lambda ns: ex.check_mfu(ns["my_mfu"]),
+                                                         lambda ns: ns["my_mfu"])]
 SOLUTION_CHECKS["01_pin_versions.ipynb"] = [  # DIFFERS judged against what the lesson's run flags
     (lambda ns: ex.check_differs(ns["DIFFERS"], ["env.NCCL_IB_DISABLE"]), lambda ns: ns["DIFFERS"]),
     (lambda ns: ex.check_fields_that_differ(ns["fields_that_differ"]), lambda ns: ns["fields_that_differ"])]

@@ -62,6 +62,7 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     checks_loader.py  a rank's DataLoader (lesson 05): its shard, workers that last; check_loader
     checks_compress.py   a DDP compression hook (fp16/bf16, lesson 26): the reference fp16_hook, the checker, hook_bytes
     checks_resume.py     save and load for a resume bit for bit (lesson 13): the references, the checker
+    checks_mfu.py  MFU from a run's counts, tokens/s and peak (lesson 14): reference_mfu, check_mfu
 """
 from .answers import check_name, check_number
 from .blanks import blank_copy, solved_copy, write_first
@@ -110,3 +111,5 @@ __all__ += ["check_hang_fix", "check_hang_report", "train_until_fixed", "check_l
 __all__ += ["check_compression_hook", "fp16_hook", "hook_bytes", "check_resume", "resume_reference"]
 __all__ += ["check_average", "reference_average", "check_all_finite", "reference_all_finite", "check_plateau",
             "reference_plateau_step"]
+from .checks_mfu import check_mfu, reference_mfu  # noqa: E402 - lesson 14's MFU
+__all__ += ["check_mfu", "reference_mfu"]

@@ -24,6 +24,9 @@ Per step and rank it records (records.py has the file layout):
                 first strategies.COUNTED_STEPS steps; there, strategies other than "ddp" also count collectives by
                 kind (n_all_reduce, n_all_gather, ...), and leave allreduces / comm_bytes empty after (parallel/strategies.py)
     accuracy / eval_accuracy on tasks that have them; eval_loss, eval_loss_rank under schedule="plateau"
+    model_params, model_params_active, model_params_embedding, model_layers, model_hidden, model_seq_len   on
+                each rank's first record: the model's parameter counts and shape, what MFU needs (Task.model_fields;
+                Run.model(), Run.mfu())
     cp_bytes, cp_pairs, cp_scores, cp_blocks_skipped   context_parallel > 1: bytes this rank sent in forward for
                 attention, the (query, key) pairs the causal mask let it see, the scores it computed (its work),
                 blocks the mask hid whole (parallel/context_model.py)
@@ -67,6 +70,7 @@ def train(ctx: RankContext, config: RunConfig | None = None) -> None:
     seed_everything(config.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     task = make_task(config, ctx.world_size)
     model = task.build_model().to(ctx.device)
+    counts = task.model_fields(model)  # the whole model's, before it is spread over ranks: with the first record
     seed_everything(config.seed, rank=ctx.rank)  # from here on (dropout, augmentation): a stream per rank
     placed = distribute(model, task, config, ctx)  # RunConfig.strategy: DDP, ZeRO, FSDP, TP
     ddp, optimizer, task = placed.model, placed.optimizer, placed.task
@@ -117,7 +121,8 @@ def train(ctx: RankContext, config: RunConfig | None = None) -> None:
                        samples=placed.credit(samples), tokens=placed.credit(samples) * task.tokens_per_sample,
                        t_data=t_data, t_fwd_bwd=t_fwd_bwd, t_optim=t_optim, t_step=now - step_started,
                        allreduces=allreduces, comm_bytes=comm_bytes, loss_scale=loss_scale,
-                       skipped_step=int(taken.steps == steps_before), **memory, **placed.fields(), **extras)
+                       skipped_step=int(taken.steps == steps_before), **memory, **placed.fields(), **extras,
+                       **(counts if step == recovery.start_step else {}))
             step_started = now
             _check_memory_budget(config, memory["peak_growth_mb"], step, task.batch_size)
             if guard.leaves(loss, step, bad):  # raises, or this rank stops here (nan_policy "alone" / "stop")

@@ -99,6 +99,14 @@ class TinyMoE(Task):
         self.routing = Routing(model, self.config)
         return model
 
+    def idle_params(self, model: nn.Module) -> int:
+        """The routed experts a token is not sent to: (experts - top_k) / experts of each layer's routed experts
+        (`mlp.experts`, all experts' weights in a few tensors; the shared expert and the router work for every
+        token)."""
+        routed = sum(p.numel() for name, module in model.named_modules() if name.split(".")[-1] == "experts"
+                     for p in module.parameters())
+        return routed // self.config.experts * (self.config.experts - self.config.top_k)
+
     def sentences(self, step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens [B, seq_len + 1], language [B]) of this rank's rows of step's batch."""
         return sample_mixture(self.tables, self.weights, self.config.global_batch, self.seq_len + 1,

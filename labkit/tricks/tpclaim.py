@@ -27,15 +27,14 @@ from __future__ import annotations
 
 import re
 import statistics
-import time
 from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
-import torch
 from matplotlib.figure import Figure
 
 from ..config import RunConfig
+from ..measure.mfu import matmul_flops  # noqa: F401 - moved to labkit.measure (MFU); lesson 27 calls it here
 from ..measure.timing import Timings, interleaved
 from ..records import Run
 from ..training.parallel.held import SavedTensors
@@ -173,22 +172,6 @@ def tp_comm_share(*, hidden: int, tp: int, flops_per_s: float, bandwidth: float,
     comm = 4 * 2 * (tp - 1) / tp * value_bytes / bandwidth          # seconds per s·b·h
     compute = FLOPS_PER_LAYER * hidden / tp / flops_per_s           # seconds per s·b·h
     return comm / compute
-
-
-def matmul_flops(size: int = 256, seconds: float = 0.3) -> float:
-    """FLOP/s of one fp32 thread here, from square matmuls (what one rank computes with):  matmul_flops()."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a, b = torch.randn(size, size), torch.randn(size, size)
-        a @ b  # warm-up
-        count, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            a @ b
-            count += 1
-        return 2 * size**3 * count / (time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def describe(parts: pd.DataFrame, before: str, after: str) -> dict[str, Any]:
