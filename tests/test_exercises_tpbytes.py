@@ -1,12 +1,19 @@
-"""Lesson 27's numbers-first exercise: TP's all-reduce bytes per block and the activations kept per block, with
-and without recomputation. The reference passes on a GPT-3 layer and on 2 gloo ranks; each usual slip is named;
-a toy-only mistake is named against what the ranks measured; the stub is "not written yet"."""
+"""Lesson 27's numbers-first exercise: TP's all-reduce bytes per block and the activations kept
+per block, with and without recomputation. The reference passes on a GPT-3 layer and on 2 gloo
+ranks; each usual slip is named; a toy-only mistake is named against what the ranks measured; the
+stub is "not written yet"."""
+
 from __future__ import annotations
 
 import pytest
 
 from labkit.exercises import checks_tpbytes as tb
-from labkit.exercises.checks_tpbytes import TP_BYTES_REFERENCE, check_tp_bytes, kept_per_layer, tp_allreduce_bytes
+from labkit.exercises.checks_tpbytes import (
+    TP_BYTES_REFERENCE,
+    check_tp_bytes,
+    kept_per_layer,
+    tp_allreduce_bytes,
+)
 from labkit.exercises.report import Report
 
 
@@ -26,7 +33,9 @@ def _sent(s, b, h, t, *, value_bytes=2, ring=True, phases=2, two=True, per_rank=
 
 
 def _slip(**change):
-    return lambda s, b, h, t, value_bytes=2: _sent(s, b, h, t, **{"value_bytes": value_bytes, **change})
+    return lambda s, b, h, t, value_bytes=2: _sent(
+        s, b, h, t, **{"value_bytes": value_bytes, **change}
+    )
 
 
 SENT_SLIPS = {
@@ -50,15 +59,32 @@ def test_each_usual_slip_in_the_all_reduce_bytes_is_named(slip):
     assert report.blamed == ["tp_allreduce_bytes"] and words in report.text(), report.text()
 
 
-def _kept(s, b, h, a, t, *, recompute=False, value_bytes=2, whole=4, split=12, masks=2, score_bytes=5,
-          divide=True, scores_split=True, sp=False, rec=None):
+def _kept(
+    s,
+    b,
+    h,
+    a,
+    t,
+    *,
+    recompute=False,
+    value_bytes=2,
+    whole=4,
+    split=12,
+    masks=2,
+    score_bytes=5,
+    divide=True,
+    scores_split=True,
+    sp=False,
+    rec=None,
+):
     sbh = s * b * h
     if recompute:
         return sbh * value_bytes if rec is None else rec(sbh, value_bytes, t)
     t_split = t if divide else 1
     whole_t = t if sp else 1
-    return sbh * ((whole / whole_t + split / t_split) * value_bytes + masks / whole_t) + \
-        a * s * s * b * score_bytes / (t_split if scores_split else 1)
+    return sbh * (
+        (whole / whole_t + split / t_split) * value_bytes + masks / whole_t
+    ) + a * s * s * b * score_bytes / (t_split if scores_split else 1)
 
 
 KEPT_SLIPS = {
@@ -83,19 +109,42 @@ def test_each_usual_slip_in_the_activation_bytes_is_named(slip):
         if slip == "ignored":
             return _kept(g["seq"], g["batch"], g["hidden"], g["heads"], t)
         return _kept(g["seq"], g["batch"], g["hidden"], g["heads"], t, recompute=r, **change)
+
     report = Report("x")
     got = [fn(t, r) for t in tb.TPS for r in (False, True)]
     assert not tb.judge_kept(report, got, "kept_per_layer")
     assert report.blamed == ["kept_per_layer"] and words in report.text(), report.text()
 
 
-def recompute_in_two_bytes(seq, batch, hidden, heads, tp, *, recompute=False, value_bytes=2, whole=4, split=12,
-                           masks=2, score_bytes=5):
-    """Right on GPT-3's 2-byte layer; on the fp32 toy, the paper's 2·s·b·h taken literally when recomputed."""
+def recompute_in_two_bytes(
+    seq,
+    batch,
+    hidden,
+    heads,
+    tp,
+    *,
+    recompute=False,
+    value_bytes=2,
+    whole=4,
+    split=12,
+    masks=2,
+    score_bytes=5,
+):
+    """Right on GPT-3's 2-byte layer; on the fp32 toy, 2·s·b·h taken literally when recomputed."""
     if recompute:
         return 2 * seq * batch * hidden
-    return kept_per_layer(seq, batch, hidden, heads, tp, value_bytes=value_bytes, whole=whole, split=split,
-                          masks=masks, score_bytes=score_bytes)
+    return kept_per_layer(
+        seq,
+        batch,
+        hidden,
+        heads,
+        tp,
+        value_bytes=value_bytes,
+        whole=whole,
+        split=split,
+        masks=masks,
+        score_bytes=score_bytes,
+    )
 
 
 def fp16_wire(seq, batch, hidden, tp, *, value_bytes=2):
@@ -103,7 +152,9 @@ def fp16_wire(seq, batch, hidden, tp, *, value_bytes=2):
     return tp_allreduce_bytes(seq, batch, hidden, tp)
 
 
-def test_mistakes_only_the_toy_shows_are_named_against_what_the_ranks_measured(runs_root, no_leftovers):
+def test_mistakes_only_the_toy_shows_are_named_against_what_the_ranks_measured(
+    runs_root, no_leftovers
+):
     report = check_tp_bytes(fp16_wire, recompute_in_two_bytes, runs_root=runs_root)
     text = report.text()
     assert not report.ok and report.blamed == ["fp16_wire", "recompute_in_two_bytes"], text
@@ -114,8 +165,12 @@ def not_written(seq, batch, hidden, tp, *, value_bytes=2):
     raise NotImplementedError("tp_allreduce_bytes is not written yet")
 
 
-def test_the_stub_is_not_written_yet_and_use_gives_the_reference(runs_root, no_leftovers, monkeypatch):
+def test_the_stub_is_not_written_yet_and_use_gives_the_reference(
+    runs_root, no_leftovers, monkeypatch
+):
     monkeypatch.delenv("LABKIT_EXERCISES", raising=False)
     report = check_tp_bytes(not_written, kept_per_layer, runs_root=runs_root)
-    assert not report.ok and not report.failures and "not written yet" in report.text(), report.text()
+    assert not report.ok and not report.failures and "not written yet" in report.text(), (
+        report.text()
+    )
     assert report.use(TP_BYTES_REFERENCE) == TP_BYTES_REFERENCE

@@ -128,6 +128,7 @@ def _drive(ctx: Any, fn: Callable, name: str) -> dict[str, Any]:
     task = make_task(config, ctx.world_size)
     held, psi = {}, 0
     for stage in (0, 1):
+        ctx.heartbeat()   # progress between the phases: busy cores slow them, they do not hang
         torch.manual_seed(config.seed)
         model = task.build_model()
         psi = sum(p.numel() for p in model.parameters())
