@@ -82,6 +82,12 @@ SOLUTION_CHECKS["14_zero_and_tensor_parallel.ipynb"] = [(lambda ns: ex.check_mfu
 SOLUTION_CHECKS["01_pin_versions.ipynb"] = [  # DIFFERS judged against what the lesson's run flags
     (lambda ns: ex.check_differs(ns["DIFFERS"], ["env.NCCL_IB_DISABLE"]), lambda ns: ns["DIFFERS"]),
     (lambda ns: ex.check_fields_that_differ(ns["fields_that_differ"]), lambda ns: ns["fields_that_differ"])]
+# numbers first (issue 44): pure functions judged on the formula's big case, then on real gloo ranks
+SOLUTION_CHECKS["17_build_zero_yourself.ipynb"] += [(lambda ns: ex.check_state_bytes(ns["state_bytes_per_gpu"]),
+                                                     lambda ns: ns["state_bytes_per_gpu"])]
+SOLUTION_CHECKS["27_tensor_and_sequence_parallel.ipynb"] += [
+    (lambda ns: ex.check_tp_bytes(ns["tp_allreduce_bytes"], ns["kept_per_layer"]),
+     lambda ns: (ns["tp_allreduce_bytes"], ns["kept_per_layer"]))]
 
 
 @pytest.mark.parametrize("lesson", EXERCISE_LESSONS)

@@ -63,6 +63,8 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     checks_compress.py   a DDP compression hook (fp16/bf16, lesson 26): the reference fp16_hook, the checker, hook_bytes
     checks_resume.py     save and load for a resume bit for bit (lesson 13): the references, the checker
     checks_mfu.py  MFU from a run's counts, tokens/s and peak (lesson 14): reference_mfu, check_mfu
+    checks_statebytes.py model-state bytes per GPU, written first (17): model_state_bytes_per_gpu, check_state_bytes
+    checks_tpbytes.py    TP's all-reduce and activation bytes per block, written first (27): check_tp_bytes
 """
 from .answers import check_name, check_number
 from .blanks import blank_copy, solved_copy, write_first
@@ -113,3 +115,7 @@ __all__ += ["check_average", "reference_average", "check_all_finite", "reference
             "reference_plateau_step"]
 from .checks_mfu import check_mfu, reference_mfu  # noqa: E402 - lesson 14's MFU
 __all__ += ["check_mfu", "reference_mfu"]
+from .checks_statebytes import check_state_bytes, model_state_bytes_per_gpu  # noqa: E402
+from .checks_tpbytes import TP_BYTES_REFERENCE, check_tp_bytes, kept_per_layer, tp_allreduce_bytes  # noqa: E402
+__all__ += ["check_state_bytes", "model_state_bytes_per_gpu", "check_tp_bytes", "TP_BYTES_REFERENCE",
+            "tp_allreduce_bytes", "kept_per_layer"]
