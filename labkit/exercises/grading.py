@@ -255,6 +255,10 @@ def write_csv(rows: list[Verdict], path: str | Path) -> Path:
     return path
 
 
+def _short(text: str, width: int = 150) -> str:
+    return text if len(text) <= width else text[:width - 1].rstrip() + "…"
+
+
 MARKS = {"passed": "✓", "failed": "✗", "not written": "…", "timed out": "⏱", "not run": "—"}
 
 
@@ -276,5 +280,5 @@ def table(rows: list[Verdict]) -> str:
             graded += row is not None
         lines.append(f"{learner:<{width}}  " + "  ".join(marks) + f"  {score}/{graded}")
     lines += [f"  {head}: {notebook} · {exercise}" for head, (notebook, exercise) in zip(heads, exercises)]
-    lines += [f"  {r.learner} · {r.exercise}: {r.status} — {r.reason}" for r in rows if r.reason]
+    lines += [f"  {r.learner} · {r.exercise}: {r.status} — {_short(r.reason)}" for r in rows if r.reason]
     return "\n".join(lines)
