@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .editions import find_exercises, lessons_dir
+from ..rundir import RUNS_ENV
 from .report import MODE_ENV
 
 TAG_ENV = "LABKIT_GRADE_TAG"   # every process a graded notebook starts inherits it: how the grader finds them
@@ -199,8 +200,8 @@ def grade_one(path: str | Path, *, cell_timeout: float = 300, notebook_timeout: 
     with tempfile.TemporaryDirectory(prefix="labkit-grade-") as scratch:
         work = Path(scratch) / path.name
         work.write_text(json.dumps(data, ensure_ascii=False))
-        events = Path(scratch) / "events.jsonl"
-        env = dict(os.environ, **{MODE_ENV: "grade", TAG_ENV: tag, "LABKIT_RUNS": str(Path(scratch) / "runs"),
+        events = Path(scratch) / "graded-cells.ndjson"
+        env = dict(os.environ, **{MODE_ENV: "grade", TAG_ENV: tag, RUNS_ENV: str(Path(scratch) / "runs"),
                                   "MPLBACKEND": "Agg"})
         env.pop("NBGRADER_EXECUTION", None)
         if quick:
