@@ -7,8 +7,6 @@ verdict and the checker's reason; one that loops, one that kills its kernel and 
 rows that say so, and nothing they started is left running.
 """
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -76,20 +74,22 @@ def test_student_edition_holds_no_solution(lesson, tmp_path):
         assert blanks.blank_source(unmarked) == "".join(original["cells"][exercise.cell]["source"])
 
 
-def test_write_edition_cli(tmp_path):
-    run = [sys.executable, "-m", "labkit.exercises"]
-    out = subprocess.run(run + ["student", str(tmp_path / "s"), "--lessons", "24", "03"], capture_output=True,
-                         text=True, check=True)
-    assert "2 lessons" in out.stdout
+def test_write_edition_cli(tmp_path, capsys):
+    from labkit.exercises.__main__ import main
+
+    assert main(["student", str(tmp_path / "s"), "--lessons", "24", "03"]) == 0
+    assert "2 lessons" in capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "s").glob("*.ipynb")) == ["03_batch_size_and_scaling.ipynb",
                                                                       "24_first_principles.ipynb"]
     assert (tmp_path / "s" / "GLOSSARY.md").exists()
-    bad = subprocess.run(run + ["student", str(tmp_path / "x"), "--lessons", "99"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "no lesson ['99']" in bad.stderr
-    same = subprocess.run(run + ["solutions", str(NOTEBOOKS)], capture_output=True, text=True)
-    assert same.returncode == 2 and "lessons' own folder" in same.stderr
-    missing = subprocess.run(run + ["grade", str(tmp_path / "nobody.ipynb")], capture_output=True, text=True)
-    assert missing.returncode == 2 and "no such notebook" in missing.stderr
+    for argv, said in ((["student", str(tmp_path / "x"), "--lessons", "99"], "no lesson ['99']"),
+                       (["solutions", str(NOTEBOOKS)], "lessons' own folder"),
+                       (["grade", str(tmp_path / "nobody.ipynb")], "no such notebook"),
+                       (["grade", str(tmp_path / "s" / "24_first_principles.ipynb"), "--cell-timeout", "0"],
+                        "must be > 0")):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2 and said in capsys.readouterr().err, argv
 
 
 def test_grade_mode_raises_for_a_stub_and_hands_the_reference_on(monkeypatch):
@@ -183,12 +183,12 @@ def test_grade_survives_loops_dead_kernels_and_deaf_kernels(tmp_path):
                  "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
                  "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
                  "time.sleep(600)\nA = 2.0  # ✏️"), ("code", check.format(name="A"))])
-    # a cell may take 6 s (the import before the first exercise gets 120); a submission 150 s, the deaf one 20 s
-    rows = grading.grade([looping], cell_timeout=6, notebook_timeout=150)
-    rows += grading.grade([deaf], cell_timeout=5, notebook_timeout=20)
+    # a cell may take 4 s (the import before the first exercise gets 120); a submission 150 s, the deaf one 12 s
+    rows = grading.grade([looping], cell_timeout=4, notebook_timeout=150)
+    rows += grading.grade([deaf], cell_timeout=3, notebook_timeout=12)
     got = {(row.learner, row.exercise): row for row in rows}
     assert got["dave", "a number"].status == "passed"
-    assert got["dave", "a loop"].status == "timed out" and "6 s" in got["dave", "a loop"].reason
+    assert got["dave", "a loop"].status == "timed out" and "4 s" in got["dave", "a loop"].reason
     assert got["dave", "a crash"].status == "not run" and "Dead" in got["dave", "a crash"].reason
     assert got["erin", "deaf"].status in ("not run", "timed out")
     assert not _tagged_left()
