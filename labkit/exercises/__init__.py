@@ -60,6 +60,10 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     checks_loader.py  a rank's DataLoader (lesson 05): its shard, workers that last; check_loader
     checks_compress.py   a DDP compression hook (fp16/bf16, lesson 26): the reference fp16_hook, the checker, hook_bytes
     checks_resume.py     save and load for a resume bit for bit (lesson 13): the references, the checker
+    checks_bubble.py     GPipe's and 1F1B's bubble and microbatches in flight, worked out first (18)
+    checks_moebytes.py   the MoE all-to-all's bytes per token, worked out first (19)
+    checks_cpbytes.py    ring, all-gather and Ulysses attention's bytes per rank, worked out first (23);
+                         checks_formulas.py: a pure function judged on a grid, its slip named
 """
 from .answers import check_name, check_number
 from .blanks import blank_copy, solved_copy, write_first
@@ -108,3 +112,8 @@ __all__ += ["check_hang_fix", "check_hang_report", "train_until_fixed", "check_l
 __all__ += ["check_compression_hook", "fp16_hook", "hook_bytes", "check_resume", "resume_reference"]
 __all__ += ["check_average", "reference_average", "check_all_finite", "reference_all_finite", "check_plateau",
             "reference_plateau_step"]
+from .checks_bubble import check_pipeline_costs, reference_pipeline_costs  # noqa: E402
+from .checks_moebytes import check_a2a_bytes, reference_a2a_bytes  # noqa: E402
+from .checks_cpbytes import check_cp_bytes, reference_cp_bytes  # noqa: E402
+__all__ += ["check_pipeline_costs", "reference_pipeline_costs", "check_a2a_bytes", "reference_a2a_bytes",
+            "check_cp_bytes", "reference_cp_bytes"]
