@@ -65,6 +65,10 @@ bucket_size_mb; a sharded optimizer built as (params, optimizer_cls, **optimizer
     checks_mfu.py  MFU from a run's counts, tokens/s and peak (lesson 14): reference_mfu, check_mfu
     checks_statebytes.py model-state bytes per GPU, written first (17): model_state_bytes_per_gpu, check_state_bytes
     checks_tpbytes.py    TP's all-reduce and activation bytes per block, written first (27): check_tp_bytes
+    checks_bubble.py     GPipe's and 1F1B's bubble and microbatches in flight, worked out first (18)
+    checks_moebytes.py   the MoE all-to-all's bytes per token, worked out first (19)
+    checks_cpbytes.py    ring, all-gather and Ulysses attention's bytes per rank, worked out first (23);
+                         checks_formulas.py: a pure function judged on a grid, its slip named
 """
 from .answers import check_name, check_number
 from .blanks import blank_copy, solved_copy, write_first
@@ -119,3 +123,8 @@ from .checks_statebytes import check_state_bytes, model_state_bytes_per_gpu  # n
 from .checks_tpbytes import TP_BYTES_REFERENCE, check_tp_bytes, kept_per_layer, tp_allreduce_bytes  # noqa: E402
 __all__ += ["check_state_bytes", "model_state_bytes_per_gpu", "check_tp_bytes", "TP_BYTES_REFERENCE",
             "tp_allreduce_bytes", "kept_per_layer"]
+from .checks_bubble import check_pipeline_costs, reference_pipeline_costs  # noqa: E402
+from .checks_moebytes import check_a2a_bytes, reference_a2a_bytes  # noqa: E402
+from .checks_cpbytes import check_cp_bytes, reference_cp_bytes  # noqa: E402
+__all__ += ["check_pipeline_costs", "reference_pipeline_costs", "check_a2a_bytes", "reference_a2a_bytes",
+            "check_cp_bytes", "reference_cp_bytes"]
