@@ -10,9 +10,10 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from .blanks import blank_copy, solved_copy, write_first
-from .editions import write_edition
+from .editions import lessons_dir, reads_the_clone, write_edition
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as error:
             parser.exit(2, f"{error}\n")
         print(f"{len(written)} lessons, {args.command} edition, in {args.outdir}")
+        clone = lessons_dir().parent.resolve()
+        readers = [path.stem[:2] for path in written if reads_the_clone(path)]
+        if readers and Path(args.outdir).resolve().parent != clone:
+            print(f"note: lessons {', '.join(readers)} read the clone's files (../examples, pyproject.toml); "
+                  f"they run where the edition is a folder of the clone, e.g. {clone / 'handout'}")
         return 0
     if args.command == "grade":
         return _grade(parser, args)
@@ -58,8 +64,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _grade(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from .grading import grade, table
 
     missing = [path for path in args.submissions if not Path(path).is_file()]

@@ -117,6 +117,13 @@ def edition(notebook: str | Path, kind: str) -> dict:
     return data
 
 
+def reads_the_clone(notebook: Path) -> bool:
+    """True if the lesson's code reads files of the clone beside its folder (../examples, the pyproject.toml)."""
+    code = "".join("".join(c.get("source", [])) for c in json.loads(notebook.read_text())["cells"]
+                   if c.get("cell_type") == "code")
+    return "../" in code or "pyproject.toml" in code
+
+
 def lessons_dir() -> Path:
     """The lessons beside the package (a clone installed with `pip install -e .`)."""
     return Path(__file__).resolve().parents[2] / "notebooks"
@@ -126,7 +133,8 @@ def write_edition(kind: str, out: str | Path, lessons: list[str] | None = None,
                   source: str | Path | None = None) -> list[Path]:
     """Write the `kind` edition of every lesson in `source` (default: lessons_dir()) to the folder `out`, with the
     files the lessons link to (glossary, course map); `lessons` picks some by number or name ("16", "16_build...").
-    A lesson without exercises is copied with its outputs cleared. Returns the notebooks written."""
+    A lesson without exercises is copied with its outputs cleared. Returns the notebooks written. Lessons that read
+    the clone's files (reads_the_clone: 01, 22) run where `out` is a folder of the clone, as notebooks/ is."""
     source = Path(source) if source is not None else lessons_dir()
     notebooks = sorted(source.glob("[0-9][0-9]_*.ipynb"))
     if not notebooks:
