@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from . import constraints
+from .dims import ParallelDims
 from .fault import Fault, as_faults, fault_shape
 from .rules import (  # noqa: F401 - the choices are re-exported (labkit.config.V_SCHEDULES): rules.py owns them
     BACKENDS, BALANCING, CHECKPOINT_FORMATS, CONTEXT_METHODS, CONTEXT_SPLITS, COMM_HOOKS, FP8_ENGINES, FP8_FORMATS, FP8_SCALINGS, LAYERS, MODEL_SIZES, NAN_POLICIES,
@@ -241,6 +242,11 @@ class RunConfig:
     sequence_parallel: bool = False
     """"tp" / "fsdp+tp": also split the LayerNorms and the residual stream along the sequence (Korthikanti et al.
     2022): all-gathers and reduce-scatters in place of the all-reduces (training/parallel/tensor_parallel.py)."""
+    tensor_parallel: int = 1
+    """tinylm: ranks each block's matrices are split over (Megatron-LM's tensor parallelism), composed with the others:
+    strategy "ddp" or "fsdp" says how the data-parallel ranks left hold the model, "pp" cuts it into stages first
+    (strategy="pp", pipeline_ranks=2, tensor_parallel=2 on 4 ranks: 2 stages of 2 tensor-parallel ranks). The presets
+    "tp" (all ranks) and "fsdp+tp" (2) set it themselves: leave it at 1 with them. See parallel_dims."""
     context_parallel: int = 1
     """tinylm: ranks each sequence is split over (context parallelism), carved out of the data-parallel ranks as
     expert parallelism is: world_size / context_parallel groups of neighbours each read one batch and hold a share
@@ -275,19 +281,26 @@ class RunConfig:
         return self.global_batch // (self.world_size // self.context_parallel * self.grad_accum)
 
     @property
-    def parallel_dims(self) -> tuple[int, int]:
-        """(data-parallel ranks, tensor-parallel ranks); their product is world_size:  (2, 2) for "fsdp+tp" on 4."""
-        tp = {"tp": self.world_size, "fsdp+tp": 2}.get(self.strategy, 1)
-        return self.world_size // tp, tp
+    def parallel_dims(self) -> ParallelDims:
+        """The degree of each parallelism (labkit/dims.py):  RunConfig(world_size=4, strategy="fsdp+tp").parallel_dims
+        == ParallelDims(dp=2, tp=2, shard=True). Ranks the presets and degree fields leave over are data-parallel."""
+        tp = {"tp": self.world_size, "fsdp+tp": 2}.get(self.strategy, self.tensor_parallel)
+        cp = self.context_parallel
+        pp = (self.pipeline_ranks or self.world_size // (tp * cp)) if self.strategy == "pp" else 1
+        used = max(1, tp * pp * cp)
+        dp = max(1, self.world_size // used)
+        ep = self.expert_parallel if dp % self.expert_parallel == 0 else 1   # constraints report the misfit
+        return ParallelDims(dp=dp, tp=tp, pp=max(1, pp), cp=cp, ep=ep,
+                            shard=self.strategy in ("zero2", "fsdp", "fsdp+tp"))
 
     @property
     def pipeline_dims(self) -> tuple[int, int]:
-        """"pp": (data-parallel replicas, ranks per pipeline); their product is world_size:  (2, 2) on 4 ranks with
-        pipeline_ranks=2. Other strategies: (world_size, 1)."""
+        """"pp": (data-parallel replicas, ranks per pipeline):  (2, 2) on 4 ranks with pipeline_ranks=2 (tensor-
+        parallel ranks are not counted in either). Other strategies: (world_size, 1)."""
         if self.strategy != "pp":
             return self.world_size, 1
-        p = self.pipeline_ranks or self.world_size
-        return self.world_size // p, p
+        dims = self.parallel_dims
+        return dims.dp, dims.pp
 
     @property
     def blocks(self) -> int:

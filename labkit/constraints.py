@@ -42,12 +42,16 @@ def context_problems(config: Any) -> list[str]:
     if config.task != "tinylm":
         return [f"{where}: splits GPT-2's sequences (task 'tinylm'), not task {config.task!r}'s; leave it at 1"]
     out = []
-    if config.strategy != "ddp":
-        out.append(f"{where}: runs inside DDP (its ranks' gradients are averaged with every other rank's); "
-                   f"RunConfig.strategy must be 'ddp', not {config.strategy!r}")
-    if config.world_size % cp:
-        out.append(f"{where}: must divide RunConfig.world_size = {config.world_size} (groups of neighbours share "
-                   "one batch)")
+    if config.strategy not in CONTEXT_STRATEGIES:
+        why = {"pp": "a pipeline's stages exchange whole sequences here; pipeline x context parallelism is not "
+                     "built"}.get(config.strategy, "the data-parallel ranks must replicate ('ddp') or shard ('fsdp') "
+                                                   "the model, over the data and context dimensions together")
+        out.append(f"{where}: not with RunConfig.strategy = {config.strategy!r} ({why}); use "
+                   f"{' or '.join(map(repr, CONTEXT_STRATEGIES))}, with tensor_parallel for tensor parallelism")
+    if config.world_size % (cp * config.tensor_parallel):
+        out.append(f"{where}: must divide RunConfig.world_size = {config.world_size}"
+                   + (f" / tensor_parallel {config.tensor_parallel}" if config.tensor_parallel > 1 else "")
+                   + " (groups of neighbours share one batch)")
     chunks = cp * (2 if config.context_split == "zigzag" else 1)
     if config.seq_len % chunks:
         out.append(f"RunConfig.seq_len = {config.seq_len}: the {config.context_split} split over {cp} ranks cuts it "
@@ -60,6 +64,52 @@ def context_problems(config: Any) -> list[str]:
     if config.dropout:
         out.append(f"RunConfig.dropout = {config.dropout!r}: labkit's context-parallel attention has no attention "
                    "dropout; leave it at 0 with context_parallel > 1")
+    return out
+
+
+CONTEXT_STRATEGIES = ("ddp", "fsdp")
+"""How the data-parallel ranks hold the model under context parallelism (its reduction covers dp x cp)."""
+TENSOR_STRATEGIES = ("ddp", "fsdp", "pp")
+"""What RunConfig.tensor_parallel composes with: DDP or FSDP2 over the data-parallel ranks left, or a pipeline
+whose stages are split (training/parallel/distribute.py says in which order)."""
+
+
+def tensor_parallel_problems(config: Any) -> list[str]:
+    """RunConfig.tensor_parallel composed with the other parallelisms (tinylm; the presets set their own):
+
+        tensor_parallel_problems(RunConfig(world_size=4, tensor_parallel=2, strategy="zero1"))   # ["...: use ..."]
+    """
+    t = config.tensor_parallel
+    if t == 1:
+        return []
+    where = f"RunConfig.tensor_parallel = {t}"
+    if config.strategy in TP_STRATEGIES:
+        return [f"{where}: strategy {config.strategy!r} is a preset that sets the tensor-parallel degree itself "
+                f"({'all the ranks' if config.strategy == 'tp' else '2'}); leave tensor_parallel at 1, or use "
+                "strategy 'ddp' or 'fsdp' with tensor_parallel"]
+    out = []
+    if config.task != "tinylm":
+        out.append(f"{where}: splits GPT-2's blocks (task 'tinylm'), not task {config.task!r}'s; tinymoe's tensor "
+                   "parallelism is strategy 'fsdp+tp'; leave it at 1")
+    if config.strategy not in TENSOR_STRATEGIES:
+        out.append(f"{where}: composes with strategy {', '.join(map(repr, TENSOR_STRATEGIES))} (DDP or FSDP2 over "
+                   f"the data-parallel ranks left, or pipeline stages), not {config.strategy!r}")
+    if t not in TP_DEGREES:
+        out.append(f"{where}: must divide every tinylm size's attention heads; use "
+                   f"{' or '.join(map(str, TP_DEGREES[1:]))}")
+    rest = t * config.context_parallel * ((config.pipeline_ranks or 1) if config.strategy == "pp" else 1)
+    if config.world_size % rest:
+        out.append(f"{where}: tensor x context x pipeline ranks = {rest} must divide RunConfig.world_size = "
+                   f"{config.world_size} (the data-parallel ranks are what is left)")
+    if config.strategy == "pp" and config.sequence_parallel:
+        out.append(f"RunConfig.sequence_parallel = True: not with a pipeline ({where}): the stages would exchange "
+                   "pieces of the sequence; leave it False")
+    if config.strategy == "ddp" and config.comm_hook != "allreduce":
+        out.append(f"RunConfig.comm_hook = {config.comm_hook!r}: DDP over tensor-parallel ranks ({where}) runs "
+                   "with its default all-reduce here; leave comm_hook at 'allreduce'")
+    if config.precision == "fp16" and config.strategy != "fsdp":   # fsdp's own rule says it
+        out.append(f"{where}: RunConfig.precision = 'fp16' (a GradScaler over split gradients) is not supported "
+                   "here; use 'bf16' or 'fp32'")
     return out
 
 
@@ -81,7 +131,7 @@ def schedule_problems(config: Any) -> list[str]:
 
 def strategy_problems(config: Any) -> list[str]:
     """What the chosen strategy cannot do with the other fields (mesh shape, task, precision, comm hook)."""
-    out = sequence_parallel_problems(config) + recompute_problems(config)
+    out = sequence_parallel_problems(config) + recompute_problems(config) + tensor_parallel_problems(config)
     field = f"RunConfig.strategy = {config.strategy!r}"
     if config.pipeline_zero1 and (config.strategy != "pp" or config.pipeline_dims[0] < 2):
         out.append(f"RunConfig.pipeline_zero1 = True: shards the optimizer state over each pipeline stage's data-"
@@ -89,7 +139,7 @@ def strategy_problems(config: Any) -> list[str]:
                    f"{field}, {config.pipeline_dims[0]} replica(s)); other strategies: use strategy 'zero1'")
     if config.strategy == "ddp":
         return out
-    tp = config.parallel_dims[1]
+    tp = config.parallel_dims.tp
     if config.strategy == "fsdp+tp" and (config.world_size < 4 or config.world_size % 2):
         out.append(f"{field}: its mesh is (world_size/2 data-parallel x 2 tensor-parallel) ranks, so "
                    f"RunConfig.world_size = {config.world_size} must be even and at least 4; use 4")
@@ -136,10 +186,10 @@ def sequence_parallel_problems(config: Any) -> list[str]:
     of the sequence from the same random state: the pieces' masks would repeat)."""
     if not config.sequence_parallel:
         return []
-    where, tp = "RunConfig.sequence_parallel = True", config.parallel_dims[1]
-    if config.strategy not in TP_STRATEGIES:
+    where, tp = "RunConfig.sequence_parallel = True", config.parallel_dims.tp
+    if tp == 1:
         return [f"{where}: splits the sequence over tensor-parallel ranks, so RunConfig.strategy must be "
-                f"{' or '.join(map(repr, TP_STRATEGIES))} (not {config.strategy!r})"]
+                f"{' or '.join(map(repr, TP_STRATEGIES))} (not {config.strategy!r}), or tensor_parallel above 1"]
     out = []
     if config.task != "tinylm":
         out.append(f"{where}: splits tinylm's GPT-2 blocks along the sequence; RunConfig.task = {config.task!r} has no "
@@ -268,7 +318,7 @@ def fp8_problems(config: Any) -> list[str]:
     if fp8 and config.task not in ("tinylm", "tinymoe"):
         out.append(f"RunConfig.precision = 'fp8': switches transformers' GPT-2 and DeepSeek-V3 layers, so "
                    f"RunConfig.task must be 'tinylm' or 'tinymoe' (not {config.task!r})")
-    if fp8 and config.strategy not in ("ddp", "zero1"):
+    if fp8 and (config.strategy not in ("ddp", "zero1") or config.tensor_parallel > 1):
         out.append(f"RunConfig.precision = 'fp8': with RunConfig.strategy = {config.strategy!r} the layers are "
                    "sharded or cut before they could be switched; use strategy 'ddp' or 'zero1'")
     if fp8 and config.fp8_engine == "torchao":

@@ -132,7 +132,7 @@ RULES: dict[str, Rule] = {
     "profile_step": optional(integer(0), "no profiler"),
     "fp8_scaling": one_of(*FP8_SCALINGS), "fp8_tile": integer(0), "fp8_grad_format": one_of(*FP8_FORMATS),
     "fp8_dispatch": boolean, "fp8_engine": one_of(*FP8_ENGINES), "pipeline_zero1": boolean, "sequence_parallel": boolean,
-    "context_parallel": integer(1), "context_method": one_of(*CONTEXT_METHODS), "context_split": one_of(*CONTEXT_SPLITS),
+    "context_parallel": integer(1), "tensor_parallel": integer(1), "context_method": one_of(*CONTEXT_METHODS), "context_split": one_of(*CONTEXT_SPLITS),
     "recompute": one_of(*RECOMPUTE),
 }
 """The rule each RunConfig field's value must pass; faults are checked by their own shape and ranges (fault.py)."""

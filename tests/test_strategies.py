@@ -38,7 +38,7 @@ def ddp_runs(tmp_path_factory):
                                                    ("tp", 4, (1, 4)), ("fsdp+tp", 4, (2, 2)), ("fsdp+tp", 8, (4, 2))])
 def test_mesh_shape_multiplies_to_the_world(strategy, world, dims):
     cfg = RunConfig(strategy=strategy, world_size=world, global_batch=8 * world)
-    assert cfg.parallel_dims == dims and dims[0] * dims[1] == world
+    assert (cfg.parallel_dims.dp, cfg.parallel_dims.tp) == dims and cfg.parallel_dims.world == world
 
 
 @pytest.mark.parametrize("changes, words", [

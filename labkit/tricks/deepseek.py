@@ -124,7 +124,7 @@ def _parts(config: RunConfig, rank: int) -> list[tuple[int, int, int, int, int]]
     if config.world_size == 1 or config.strategy == "ddp":
         return [(*count(inv), 0, 1, 1)]
     if config.strategy in ("fsdp", "fsdp+tp"):
-        dp, tp = config.parallel_dims
+        dp, tp = config.parallel_dims.dp, config.parallel_dims.tp
         return [(*count(inv[inv.tp_split]), 3, dp, tp), (*count(inv[~inv.tp_split]), 3, dp, 1)]
     replicas, ep = config.pipeline_dims[0], config.expert_parallel
     zero = 1 if config.pipeline_zero1 else 0
@@ -193,7 +193,7 @@ def predicted_activations(config: RunConfig, rank: int = 0, record: Any = None) 
         moved = record["ep_rows_in"] / record["ep_rows_out"] if config.expert_parallel > 1 and record is not None \
             else 1.0
         return flight * rows * float((per.bytes_per_row * np.where(per.experts, moved, 1.0)).sum())
-    dp, tp = config.parallel_dims if config.world_size > 1 else (1, 1)
+    dp, tp = (config.parallel_dims.dp, config.parallel_dims.tp) if config.world_size > 1 else (1, 1)
     rows = config.global_batch // dp
     per = saved_per_row(config, rows)
     return rows * float((per.bytes_per_row / np.where(per.split, tp, 1)).sum())
@@ -250,7 +250,8 @@ def predicted_messages(config: RunConfig, rank: int, record: Any = None) -> dict
 
 def _sharded_messages(config: RunConfig, add: Any) -> None:
     """ZeRO-3 (and TP's all-reduces under "fsdp+tp"), per step."""
-    inv, sizes, (dp, tp) = inventory(config), toy_sizes(config), config.parallel_dims
+    inv, sizes = inventory(config), toy_sizes(config)
+    dp, tp = config.parallel_dims.dp, config.parallel_dims.tp
     layers = sizes["layers"]
     local = 4 * (inv.numel[inv.tp_split].sum() / (dp * tp) + inv.numel[~inv.tp_split].sum() / dp)
     add("all_gather", 2 * (layers + 1), 2 * local)   # each layer, and the root, gathered for forward and backward

@@ -109,12 +109,12 @@ def parameter_tensors(config: RunConfig) -> int:
     """Parameter tensors of config's model as its strategy builds it: tensor parallelism's GPT-2 holds q, k and v
     apart (more tensors). AdamW keeps a 4-byte step counter for each one a rank holds state for."""
     model = make_task(config, 1).build_model()
-    return len(list((linear_gpt2(model) if config.parallel_dims[1] > 1 else model).parameters()))
+    return len(list((linear_gpt2(model) if config.parallel_dims.tp > 1 else model).parameters()))
 
 
 def naive_state(config: RunConfig) -> StateBytes:
     """labkit.memory's formula for config's strategy, on all Ψ parameters (tensor parallelism divides them all)."""
-    dp, tp = config.parallel_dims
+    dp, tp = config.parallel_dims.dp, config.parallel_dims.tp
     return state_breakdown(parameter_split(config)["total"], stage=STAGE[config.strategy], dp=dp, tp=tp,
                            **FP32_ADAMW)
 
@@ -122,7 +122,7 @@ def naive_state(config: RunConfig) -> StateBytes:
 def predicted_state(config: RunConfig) -> StateBytes:
     """The formula with tensor parallelism dividing only what it splits: split/T and whole parts, each then
     divided by the data-parallel formula of config's ZeRO stage."""
-    dp, tp = config.parallel_dims
+    dp, tp = config.parallel_dims.dp, config.parallel_dims.tp
     counts, stage = parameter_split(config), STAGE[config.strategy]
     parts = [state_breakdown(counts["split"], stage=stage, dp=dp, tp=tp, **FP32_ADAMW)]
     if counts["whole"]:
@@ -178,7 +178,7 @@ def collectives_table(runs: dict[str, Run]) -> pd.DataFrame:
     all-gather are counted together, over the data-parallel group)."""
     rows = []
     for label, run in runs.items():
-        dp, tp = run.config.parallel_dims
+        dp, tp = run.config.parallel_dims.dp, run.config.parallel_dims.tp
         for kind, (calls, handed) in collectives(run).items():
             tp_kind = kind == "all_reduce" or (run.config.sequence_parallel and run.config.strategy == "tp")
             group = tp if (tp_kind and tp > 1 and calls > 1) else dp
@@ -198,7 +198,7 @@ def state_table(runs: dict[str, Run]) -> pd.DataFrame:
     for label, run in runs.items():
         config = run.config
         measured, naive, predicted = held(run), naive_state(config), predicted_state(config)
-        dp, tp = config.parallel_dims
+        dp, tp = config.parallel_dims.dp, config.parallel_dims.tp
         rows[label] = {"strategy": config.strategy, "dp": dp, "tp": tp, "stage": STAGE[config.strategy],
                        **{f"measured_{p}": measured[p] for p in PARTS},
                        "measured": sum(measured[p] for p in PARTS), "formula": naive.total,

@@ -79,7 +79,7 @@ def memory_parts(runs: dict[str, Run]) -> pd.DataFrame:
     rows = {}
     for label, run in runs.items():
         got, config = held(run), run.config
-        dp, tp = config.parallel_dims
+        dp, tp = config.parallel_dims.dp, config.parallel_dims.tp
         rows[label] = {"model_state": got.params + got.grads + got.optimizer,
                        "gathered": got.peak_params - got.params, "activations": got.activations,
                        "samples_per_replica": config.global_batch // dp, "dp": dp, "tp": tp,
@@ -94,7 +94,7 @@ def predicted_activations(config: RunConfig, *, layers: int | None = None, **for
     GPT2_SEQUENCE_PARALLEL with sequence parallelism; `form` changes any of them): the bytes a rank keeps for
     backward, for the samples its model replica computes on:  predicted_activations(cfg, gathered_values=0)."""
     model = make_task(config, 1).build_model().config
-    dp, tp = config.parallel_dims
+    dp, tp = config.parallel_dims.dp, config.parallel_dims.tp
     return activation_bytes(seq=config.seq_len, batch=config.global_batch // dp, hidden=model.n_embd,
                             heads=model.n_head, layers=layers or model.n_layer, tp=tp,
                             **{**activation_form(config), **form})
@@ -112,7 +112,7 @@ def predicted_parts(runs: dict[str, Run]) -> pd.DataFrame:
     rows = {}
     for label, run in runs.items():
         config, counts = run.config, parameter_split(run.config)
-        dp, tp = config.parallel_dims
+        tp = config.parallel_dims.tp
         block = (counts["block"] - counts["block_whole"]) / tp + counts["block_whole"]
         rows[label] = {"model_state": predicted_state(config).total,
                        "gathered": 4 * (block + counts["root"]) if STAGE[config.strategy] == 3 else 0.0,
@@ -151,7 +151,7 @@ def step_breakdown(run: Run, *, alpha: float, bandwidth: float, flops_per_s: flo
     over the tensor-parallel group, or the data-parallel one without TP), its matmul FLOPs at `flops_per_s` (72·b·s·h²
     per layer over T, plus 6·b·s·h·V for the LM head; b the samples per replica), and what is left."""
     config = run.config
-    dp, tp = config.parallel_dims
+    dp, tp = config.parallel_dims.dp, config.parallel_dims.tp
     calls, handed = collectives(run).get("all_reduce", (0, 0))
     group = tp if tp > 1 else dp
     reduce_s = float(calls * ring_time(handed / calls, group, alpha, bandwidth)) if calls and group > 1 else 0.0

@@ -131,13 +131,13 @@ def _wrap(model: Any, wrap: str, ctx: Any, fused: bool) -> Any:
     if wrap in ("ddp", "ddp_unused"):
         from torch.nn.parallel import DistributedDataParallel as DDP
         return DDP(model, broadcast_buffers=False, find_unused_parameters=wrap == "ddp_unused")
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
     from .fullshard import quiet_warnings
     from .experts import Expert
+    from .mesh import world_mesh
     quiet_warnings()
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    mesh = world_mesh(ctx.device)
     unit = DeepseekV3Experts if fused else Expert
     for experts in [m for m in model.modules() if isinstance(m, unit)]:
         fully_shard(experts, mesh=mesh)  # per expert: one all-gather per expert, when it runs; fused: per layer

@@ -1,6 +1,6 @@
 """Placing tinymoe on the ranks: DDP for everything but the routed experts, which expert parallelism splits.
 
-    wrapped, optimizer, more = place_experts(model, task, config, ctx, make_optimizer)   # strategies.distribute
+    wrapped, optimizer, more = place_experts(model, task, config, ctx, mesh, make_optimizer)   # strategies.distribute
 
 Expert parallelism is carved out of data parallelism (as in DeepSeek-V3 and torchtitan), not a degree that
 multiplies into the world size: with world_size W and expert_parallel P, every rank reads its own batch (W-way
@@ -30,20 +30,20 @@ from ..commhooks import install_comm_hook
 from .experts import ExpertBank, ExpertParallel, expert_parallel_modules
 from ...config import RunConfig
 from ...context import RankContext
+from ...dims import ParallelDims
 
 
 def expert_groups(world_size: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(EP groups, expert-data-parallel groups) of ranks:  expert_groups(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])."""
-    return ([list(range(g * ep, (g + 1) * ep)) for g in range(world_size // ep)],
-            [list(range(j, world_size, ep)) for j in range(ep)])
+    """(EP groups, expert-data-parallel groups) of ranks, as ParallelDims carves them out of the data-parallel ranks:
+    expert_groups(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])."""
+    dims = ParallelDims(dp=world_size, ep=ep)
+    return dims.groups("ep"), dims.groups("edp")
 
 
-def split_experts(model: nn.Module, rank: int, world_size: int, ep: int) -> tuple[Any, Any]:
+def split_experts(model: nn.Module, mesh: Any) -> tuple[Any, Any]:
     """Replace every layer's fused experts by this rank's share (copies of its slices), in place; returns this
-    rank's (EP group, expert-data-parallel group). Every rank must call it (it creates process groups)."""
-    ep_ranks, edp_ranks = expert_groups(world_size, ep)
-    made = {tuple(r): dist.new_group(r) for r in ep_ranks + edp_ranks}  # the same calls, in the same order, on all
-    ep_group, edp_group = made[tuple(ep_ranks[rank // ep])], made[tuple(edp_ranks[rank % ep])]
+    rank's (EP group, expert-data-parallel group) from the run's mesh (mesh.py builds them, on every rank)."""
+    ep_group, edp_group = mesh.expert_groups()
     split_experts_over(model, ep_group)
     return ep_group, edp_group
 
@@ -65,7 +65,7 @@ def fused_count(moe: nn.Module) -> int:
     return moe.experts.num_experts
 
 
-def place_experts(model: nn.Module, task: Any, config: RunConfig, ctx: RankContext,
+def place_experts(model: nn.Module, task: Any, config: RunConfig, ctx: RankContext, mesh: Any,
                   make_optimizer: Callable[[Any, Any], torch.optim.Optimizer]) -> tuple[Any, Any, Callable]:
     """DDP (and expert parallelism when config.expert_parallel > 1), the optimizer with its pre-step hooks, and a
     function giving the record fields to read after each step."""
@@ -73,7 +73,7 @@ def place_experts(model: nn.Module, task: Any, config: RunConfig, ctx: RankConte
     ep, world = config.expert_parallel, ctx.world_size
     edp_group = None
     if ep > 1:
-        _, edp_group = split_experts(model, ctx.rank, world, ep)
+        _, edp_group = split_experts(model, mesh)
         DDP._set_params_and_buffers_to_ignore_for_model(model, expert_names(model))
     wrapped = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                   bucket_cap_mb=config.bucket_cap_mb, broadcast_buffers=config.broadcast_buffers)

@@ -49,6 +49,9 @@ class PipelineStep:
         self.task = make_task(config, self.pipe.replicas)   # each replica reads its own rows
         self.whole = make_task(config, 1) if config.pipeline_check else None
         self.reference = reference_copy(model) if config.pipeline_check else None
+        if self.reference is not None and self.pipe.mesh.dims.tp > 1:   # the stages' blocks will be split: the
+            from .tensor_parallel import linear_gpt2                     # reference gets the same nn.Linear layers
+            linear_gpt2(self.reference)
         self.rank, self.device = ctx.rank, ctx.device
         stages = ", ".join(map(str, self.pipe.indices))
         self._now = NowFile(now_path(ctx.run_dir, ctx.rank), f"before the first action of stage(s) {stages}")

@@ -42,6 +42,8 @@ from torch import nn
 
 from ..commhooks import count_collectives, install_comm_hook, single_bucket_mb
 from .dispatchcount import DispatchCounter
+from .mesh import Mesh
+from .shared import SharedBatches
 from .held import StateMeter
 from .recompute import recompute_blocks
 from ..optim import make_optimizer
@@ -137,101 +139,119 @@ class FirstStepsCounter:
 
 
 def distribute(model: nn.Module, task: Task, config: RunConfig, ctx: RankContext) -> Placement:
-    """Wrap `model` for config.strategy on this rank and build its optimizer (optim.make_optimizer)."""
-    dp, tp = config.parallel_dims
-    if config.strategy == "pp":
+    """Spread `model` over the ranks as config.parallel_dims asks, in ORDER_OF_WORK, and build its optimizer
+    (optim.make_optimizer). tinymoe's layouts are named plans (PLANS)."""
+    dims = config.parallel_dims
+    mesh = Mesh.of(dims, ctx.device)   # every group below comes from it, built in the same order on every rank
+    if config.task == "tinymoe":
+        return PLANS[moe_plan(config)](model, task, config, ctx, mesh)
+    step = None
+    if dims.pp > 1:                                            # 1. cut the model into this rank's stages
         from .pipestep import PipelineStep
         step = PipelineStep(model, task, config, ctx)
-        more = None
-        if config.task == "tinymoe":  # DeepSeek-V3's layout: experts inside each stage's data parallelism
-            from .v3_layout import place_v3
-            optimizer, more = place_v3(step, task, config, ctx, make_optimizer)
-        elif config.pipeline_zero1:
-            from .v3_layout import zero1_beside
-            optimizer = zero1_beside(config, step.parts, [], step.pipe.dp_group, make_optimizer)
-        else:
-            optimizer = make_optimizer(config, step.parts.parameters())
-        return Placement(step.parts, optimizer, step.task, StateMeter(step.parts, optimizer, COUNTED_STEPS),
-                         dispatch_counted=True, owned=step.parts, forward_backward=step, more=more)
-    if config.task == "tinymoe" and config.strategy in ("fsdp", "fsdp+tp"):  # the article's (parallel/moe_tp.py)
-        return _moe_sharded(model, task, config, ctx, dp, tp)
-    if config.task == "tinymoe":  # DDP, and the experts over expert-parallel ranks (parallel/moe_layout.py)
-        from .moe_layout import place_experts
-        wrapped, optimizer, more = place_experts(model, task, config, ctx, make_optimizer)
-        return Placement(wrapped, optimizer, task, StateMeter(model, optimizer, COUNTED_STEPS), dispatch_counted=True,
-                         more=more)
-    if config.context_parallel > 1:  # sequences split over groups of neighbours, inside DDP (context_model.py)
+    if dims.tp > 1:                                            # 2. split the blocks they hold
+        from .tensor_parallel import linear_gpt2, split_blocks
+        for held in (step.parts if step else [model]):
+            split_blocks(linear_gpt2(held), mesh.sub("tp"), sequence_parallel=config.sequence_parallel)
+    if step is not None:                                       # (a pipeline averages its replicas itself)
+        return _pipeline(step, config, dims)
+    shared = SharedBatches(make_task(config, dims.dp), dims, ctx.rank) if dims.tp > 1 else task
+    if dims.cp > 1:                                            # 3. split the sequences' attention
         from .context_model import place_context
-        task, _ = place_context(model, make_task(config, config.world_size // config.context_parallel), config,
-                                ctx.rank)
-        optimizer = make_optimizer(config, model.parameters())
-        return Placement(_ddp(model, config, ctx), optimizer, task, StateMeter(model, optimizer, COUNTED_STEPS),
-                         tp=config.context_parallel)
-    if config.strategy in ("ddp", "zero1"):
-        recompute_blocks(model, config.recompute)   # before DDP: it registers the (wrapped) parameters
-        wrapped = _ddp(model, config, ctx)
-        if config.strategy == "ddp":
-            optimizer = make_optimizer(config, model.parameters())
-        else:
-            optimizer = _zero1(config, model)
-        return Placement(wrapped, optimizer, task, StateMeter(model, optimizer, COUNTED_STEPS),
-                         dispatch_counted=config.strategy != "ddp")
-    from .fullshard import Sharded, shard_model
-    from .tensor_parallel import linear_gpt2, split_blocks
-    mesh = _mesh(ctx, dp, tp)
-    root = None
-    if tp > 1:
-        split_blocks(linear_gpt2(model), mesh["tp"] if dp > 1 else mesh, sequence_parallel=config.sequence_parallel)
-        task = SharedBatches(make_task(config, dp), tp)
-    # after TP rebuilt the blocks, before fully_shard: FSDP2's hooks stay outside the recomputed region
+        shared, _ = place_context(model, make_task(config, dims.dp), config, mesh)
+    # 4. recomputation: after TP rebuilt the blocks, before DDP registers them and FSDP2 hooks outside them
     recompute_blocks(model, config.recompute)
-    if config.strategy != "tp":
-        root = shard_model(model, mesh["dp"] if tp > 1 else mesh, reshard_after_forward=config.strategy != "zero2")
-    optimizer = make_optimizer(config, model.parameters())
-    return Placement(Sharded(model, root), optimizer, task, StateMeter(model, optimizer, COUNTED_STEPS), tp=tp,
-                     dispatch_counted=True)
+    wrapped, optimizer = _data_parallel(model, config, ctx, mesh)   # 5. what is left: DDP or FSDP2 over dp x cp
+    return Placement(wrapped, optimizer, shared, StateMeter(model, optimizer, COUNTED_STEPS), tp=dims.tp * dims.cp,
+                     dispatch_counted=config.strategy != "ddp" or dims.tp > 1)
 
 
-def _moe_sharded(model: nn.Module, task: Task, config: RunConfig, ctx: RankContext, dp: int, tp: int) -> Placement:
+ORDER_OF_WORK = ("pp", "tp", "cp", "dp")
+"""The order distribute applies the parallelisms in (torchtitan's): the pipeline cuts whole blocks, so it goes first
+and each rank splits only the blocks it holds; TP rebuilds each block's layers (nn.Linear, then DTensor shards), so
+it must precede anything that registers those layers' parameters; CP swaps the attention function inside the
+already-split blocks (each rank attends with its own heads over its own positions); data parallelism wraps last,
+because DDP registers and FSDP2 shards the parameters as they are then, TP's DTensors included (sharding first and
+splitting after would split FSDP2's shards, not the matrices)."""
+
+
+def _data_parallel(model: nn.Module, config: RunConfig, ctx: RankContext, mesh: Mesh) -> tuple[Any, Any]:
+    """The data-parallel ranks' wrapper over dp x cp (context-parallel ranks hold the same model and their
+    gradients are averaged with the data-parallel ones) and the optimizer."""
+    from .fullshard import Sharded, shard_model   # FSDP2's import, paid only where it is used
+    dims = mesh.dims
+    if config.strategy in ("ddp", "zero1"):
+        if dims.tp == 1:   # dp x cp is the whole world: the default group, as DDP always had
+            wrapped = _ddp(model, config, ctx)
+        elif dims.dp * dims.cp == 1:
+            wrapped = Sharded(model, None)
+        else:   # DDP over a tensor-parallel model: torch localises the DTensor parameters (its TP+DDP path)
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            wrapped = DDP(model, device_mesh=mesh.sub("dp", "cp"), bucket_cap_mb=config.bucket_cap_mb)
+        optimizer = make_optimizer(config, model.parameters()) if config.strategy == "ddp" else _zero1(config, model)
+        return wrapped, optimizer
+    root = None
+    if config.strategy != "tp" and dims.dp * dims.cp > 1:
+        root = shard_model(model, mesh.sub("dp", "cp"), reshard_after_forward=config.strategy != "zero2")
+    return Sharded(model, root), make_optimizer(config, model.parameters())
+
+
+def _pipeline(step: Any, config: RunConfig, dims: Any) -> Placement:
+    """A pipeline's stages (pipestep.py) with their optimizer: ZeRO-1 over each stage's replicas, or plain."""
+    if config.pipeline_zero1:
+        from .v3_layout import zero1_beside
+        optimizer = zero1_beside(config, step.parts, [], step.pipe.dp_group, make_optimizer)
+    else:
+        optimizer = make_optimizer(config, step.parts.parameters())
+    return Placement(step.parts, optimizer, step.task, StateMeter(step.parts, optimizer, COUNTED_STEPS), tp=dims.tp,
+                     dispatch_counted=True, owned=step.parts, forward_backward=step)
+
+
+def moe_plan(config: RunConfig) -> str:
+    """Which of PLANS places tinymoe for this config."""
+    return {"pp": "v3", "fsdp": "zero3", "fsdp+tp": "zero3"}.get(config.strategy, "ddp+ep")
+
+
+def _v3(model: nn.Module, task: Task, config: RunConfig, ctx: RankContext, mesh: Mesh) -> Placement:
+    from .pipestep import PipelineStep
+    from .v3_layout import place_v3
+    step = PipelineStep(model, task, config, ctx)
+    optimizer, more = place_v3(step, task, config, ctx, make_optimizer)
+    return Placement(step.parts, optimizer, step.task, StateMeter(step.parts, optimizer, COUNTED_STEPS),
+                     dispatch_counted=True, owned=step.parts, forward_backward=step, more=more)
+
+
+def _ddp_ep(model: nn.Module, task: Task, config: RunConfig, ctx: RankContext, mesh: Mesh) -> Placement:
+    from .moe_layout import place_experts
+    wrapped, optimizer, more = place_experts(model, task, config, ctx, mesh, make_optimizer)
+    return Placement(wrapped, optimizer, task, StateMeter(model, optimizer, COUNTED_STEPS), dispatch_counted=True,
+                     more=more)
+
+
+def _moe_sharded(model: nn.Module, task: Task, config: RunConfig, ctx: RankContext, mesh: Mesh) -> Placement:
     """tinymoe under ZeRO-3 (FSDP2 layer by layer), after TP inside each layer on a (dp, tp) mesh for "fsdp+tp"
     (parallel/moe_tp.py); the routers' bias moves with loads summed over the data-parallel ranks (a TP pair routes
     the same tokens: count them once)."""
     from .fullshard import Sharded
     from .moe_tp import decoder_layers, shard_deepseek, split_deepseek
-    mesh = _mesh(ctx, dp, tp)
-    dp_mesh = mesh["dp"] if tp > 1 else mesh
-    if tp > 1:
-        split_deepseek(model, mesh["tp"])
+    dims = mesh.dims
+    dp_mesh = mesh.sub("dp")
+    if dims.tp > 1:
+        split_deepseek(model, mesh.sub("tp"))
     root = shard_deepseek(model, dp_mesh)
     optimizer = make_optimizer(config, model.parameters())
-    inner = make_task(config, dp)
+    inner = make_task(config, dims.dp)
     inner.routing = task.routing  # the routers' taps were made when `task` built the model
     task.routing.attach(optimizer, group=dp_mesh.get_group())
     meter = StateMeter(model, optimizer, COUNTED_STEPS, blocks=decoder_layers(model))
-    return Placement(Sharded(model, root), optimizer, SharedBatches(inner, tp), meter, tp=tp, dispatch_counted=True,
-                     more=task.routing.fields_after_step)
+    return Placement(Sharded(model, root), optimizer, SharedBatches(inner, dims, ctx.rank), meter, tp=dims.tp,
+                     dispatch_counted=True, more=task.routing.fields_after_step)
 
 
-class SharedBatches(Task):
-    """A task sliced over the data-parallel ranks only: every rank of a tensor-parallel group gets the batch of
-    its data-parallel rank (rank // tp, ranks laid out data-parallel-major as in the mesh)."""
-
-    def __init__(self, inner: Task, tp: int):
-        self.inner, self.tp = inner, tp
-        self.config, self.world_size, self.batch_size = inner.config, inner.world_size, inner.batch_size
-        self.loss_floor, self.tokens_per_sample = inner.loss_floor, inner.tokens_per_sample
-
-    def batch(self, step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.inner.batch(step, micro, rank // self.tp)
-
-    def loss(self, model: Any, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        return self.inner.loss(model, inputs, targets)
-
-    def evaluate(self, model: nn.Module) -> dict[str, float]:
-        return self.inner.evaluate(model)
-
-    def close(self) -> None:
-        getattr(self.inner, "close", lambda: None)()
+PLANS: dict[str, Callable[..., Placement]] = {"v3": _v3, "ddp+ep": _ddp_ep, "zero3": _moe_sharded}
+"""tinymoe's layouts, by name: "v3" DeepSeek-V3's PP x EP x ZeRO-1 (v3_layout.py), "ddp+ep" DDP with the experts
+split over expert-parallel ranks carved out of the data-parallel ones (moe_layout.py), "zero3" the article's FSDP2
+layer by layer, with TP inside each layer under "fsdp+tp" (moe_tp.py)."""
 
 
 def bucket_cap_mb(config: RunConfig, model: nn.Module, ctx: RankContext) -> float:
@@ -259,13 +279,6 @@ def _zero1(config: RunConfig, model: nn.Module) -> Any:
     template = make_optimizer(config, [nn.Parameter(torch.zeros(1))])
     settings = {k: v for k, v in template.defaults.items() if k in ("lr", "weight_decay", "momentum")}
     return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(template), **settings)
-
-
-def _mesh(ctx: RankContext, dp: int, tp: int) -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
-    if dp > 1 and tp > 1:
-        return init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
-    return init_device_mesh(ctx.device.type, (dp * tp,))
 
 
 def _full(value: Any) -> Any:

@@ -147,6 +147,9 @@ def _as_linear(conv: nn.Module) -> nn.Linear:
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
+    """A GPT-2's blocks, or a pipeline stage's (pipeline.GPT2Stage keeps its share in .h)."""
+    if isinstance(getattr(model, "h", None), nn.ModuleList):
+        return list(model.h)
     transformer = getattr(model, "transformer", None)
     if transformer is None or not hasattr(transformer, "h"):
         raise TypeError(f"{type(model).__name__} is not a transformers GPT-2 model (no .transformer.h blocks): "
