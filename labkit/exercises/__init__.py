@@ -128,3 +128,6 @@ from .checks_moebytes import check_a2a_bytes, reference_a2a_bytes  # noqa: E402
 from .checks_cpbytes import check_cp_bytes, reference_cp_bytes  # noqa: E402
 __all__ += ["check_pipeline_costs", "reference_pipeline_costs", "check_a2a_bytes", "reference_a2a_bytes",
             "check_cp_bytes", "reference_cp_bytes"]
+
+from .checks_compose import COMPOSE_REFERENCE, check_parallelize  # noqa: E402
+__all__ += ["check_parallelize", "COMPOSE_REFERENCE"]
