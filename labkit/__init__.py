@@ -29,6 +29,7 @@ from pathlib import Path
 __version__ = "0.1.0"
 
 from .config import ConfigError, Fault, RunConfig, pick, quick_mode  # noqa: E402
+from .dims import ParallelDims  # noqa: E402
 from . import memory  # noqa: E402
 
 # Imported at first use, so that `import labkit` costs about what `import torch` does: the launcher and the records
@@ -81,7 +82,7 @@ def panel(config: RunConfig | None = None, **options):
     return Panel(config if config is not None else RunConfig(), **options)
 
 
-__all__ = ["RunConfig", "Fault", "ConfigError", "pick", "quick_mode", "launch", "LaunchError", "RankFailure",
+__all__ = ["RunConfig", "ParallelDims", "Fault", "ConfigError", "pick", "quick_mode", "launch", "LaunchError", "RankFailure",
            "train", "NonFiniteLoss", "compare", "curves", "panel", "RankContext", "Run", "load_run", "memory",
            "make_task", "Claims", "ClaimFailed"]
 
