@@ -170,8 +170,17 @@ def _whole_batch(config: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A gradient gathered whole. On a 2-D mesh DTensor warns that it gathers in two steps: a speed remark about a
+    one-off gather, kept out of the learner's output."""
+    import logging
     full = getattr(tensor, "full_tensor", None)
-    return (full() if callable(full) else tensor).detach().float()
+    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return (full() if callable(full) else tensor).detach().float()
+    finally:
+        quiet.setLevel(level)
 
 
 def _is_split(model: Any) -> bool:
