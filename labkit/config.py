@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 from . import constraints
 from .dims import ParallelDims
 from .fault import Fault, as_faults, fault_shape
+from .modes import pick, quick_mode  # noqa: F401 - re-exported: labkit.config.pick is where lessons found it
 from .rules import (  # noqa: F401 - the choices are re-exported (labkit.config.V_SCHEDULES): rules.py owns them
     BACKENDS, BALANCING, CHECKPOINT_FORMATS, CONTEXT_METHODS, CONTEXT_SPLITS, COMM_HOOKS, FP8_ENGINES, FP8_FORMATS, FP8_SCALINGS, LAYERS, MODEL_SIZES, NAN_POLICIES,
     OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_SHAPES, PRECISIONS, SCHEDULES, SINGLE_STAGE_SCHEDULES, STRATEGIES, TASKS,
@@ -28,16 +28,6 @@ from .rules import (  # noqa: F401 - the choices are re-exported (labkit.config.
 
 class ConfigError(ValueError):
     """A RunConfig (or Fault) field holds a value that is not allowed; the message lists every such field."""
-
-
-def quick_mode() -> bool:
-    """True when LABKIT_QUICK=1 (set by `make test`): lessons run the same cells with smaller sizes."""
-    return os.environ.get("LABKIT_QUICK", "") not in ("", "0", "false", "False")
-
-
-def pick(full: Any, quick: Any) -> Any:
-    """Return `quick` in quick mode, else `full`:  steps = pick(full=200, quick=30)."""
-    return quick if quick_mode() else full
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,10 +233,9 @@ class RunConfig:
     """"tp" / "fsdp+tp": also split the LayerNorms and the residual stream along the sequence (Korthikanti et al.
     2022): all-gathers and reduce-scatters in place of the all-reduces (training/parallel/tensor_parallel.py)."""
     tensor_parallel: int = 1
-    """tinylm: ranks each block's matrices are split over (Megatron-LM's tensor parallelism), composed with the others:
-    strategy "ddp" or "fsdp" says how the data-parallel ranks left hold the model, "pp" cuts it into stages first
-    (strategy="pp", pipeline_ranks=2, tensor_parallel=2 on 4 ranks: 2 stages of 2 tensor-parallel ranks). The presets
-    "tp" (all ranks) and "fsdp+tp" (2) set it themselves: leave it at 1 with them. See parallel_dims."""
+    """tinylm: ranks each block's matrices are split over (Megatron-LM's), composed with strategy "ddp" or "fsdp" (how
+    the data-parallel ranks left hold the model) or "pp" (stages first: pipeline_ranks=2, tensor_parallel=2 on 4 ranks
+    is 2 stages of 2 tensor-parallel ranks). Presets "tp" and "fsdp+tp" set their own: leave 1. See parallel_dims."""
     context_parallel: int = 1
     """tinylm: ranks each sequence is split over (context parallelism), carved out of the data-parallel ranks as
     expert parallelism is: world_size / context_parallel groups of neighbours each read one batch and hold a share
@@ -286,21 +275,16 @@ class RunConfig:
         == ParallelDims(dp=2, tp=2, shard=True). Ranks the presets and degree fields leave over are data-parallel."""
         tp = {"tp": self.world_size, "fsdp+tp": 2}.get(self.strategy, self.tensor_parallel)
         cp = self.context_parallel
-        pp = (self.pipeline_ranks or self.world_size // (tp * cp)) if self.strategy == "pp" else 1
-        used = max(1, tp * pp * cp)
-        dp = max(1, self.world_size // used)
+        pp = max(1, (self.pipeline_ranks or self.world_size // (tp * cp)) if self.strategy == "pp" else 1)
+        dp = max(1, self.world_size // (tp * pp * cp))
         ep = self.expert_parallel if dp % self.expert_parallel == 0 else 1   # constraints report the misfit
-        return ParallelDims(dp=dp, tp=tp, pp=max(1, pp), cp=cp, ep=ep,
-                            shard=self.strategy in ("zero2", "fsdp", "fsdp+tp"))
+        return ParallelDims(dp, tp, pp, cp, ep, shard=self.strategy in ("zero2", "fsdp", "fsdp+tp"))
 
     @property
     def pipeline_dims(self) -> tuple[int, int]:
-        """"pp": (data-parallel replicas, ranks per pipeline):  (2, 2) on 4 ranks with pipeline_ranks=2 (tensor-
-        parallel ranks are not counted in either). Other strategies: (world_size, 1)."""
-        if self.strategy != "pp":
-            return self.world_size, 1
-        dims = self.parallel_dims
-        return dims.dp, dims.pp
+        """"pp": (data-parallel replicas, ranks per pipeline), parallel_dims' (dp, pp):  (2, 2) on 4 ranks with
+        pipeline_ranks=2. Other strategies: (world_size, 1)."""
+        return (self.parallel_dims.dp, self.parallel_dims.pp) if self.strategy == "pp" else (self.world_size, 1)
 
     @property
     def blocks(self) -> int:

@@ -15,7 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "labkit"
 ROOMS = {"base": 0, "training": 1, "view": 1, "run": 2, "measure": 3, "app": 3, "tricks": 4, "exercises": 5,
          "face": 6}
-BASE = {"labkit.config", "labkit.constraints", "labkit.dims", "labkit.fault", "labkit.rules", "labkit.display", "labkit.context", "labkit.rundir", "labkit.records",
+BASE = {"labkit.config", "labkit.constraints", "labkit.dims", "labkit.modes", "labkit.fault", "labkit.rules", "labkit.display", "labkit.context", "labkit.rundir", "labkit.records",
         "labkit.memory"}
 FACE = {"labkit", "labkit.cli", "labkit.__main__"}
 
