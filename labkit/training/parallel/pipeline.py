@@ -46,6 +46,7 @@ from .moe_stages import is_deepseek, split_deepseek
 from .pipetrace import StageTrace
 from ...config import RunConfig
 from ...dims import ParallelDims
+from .held import local   # a DTensor's shard: what a process-group collective takes
 from .mesh import Mesh
 
 SINGLE = ("GPipe", "1F1B")                                       # one stage per rank
@@ -192,14 +193,14 @@ class Pipeline:
             if param.grad is not None:
                 param.grad /= self.m
         if self.tie is not None:
-            dist.all_reduce(_local(self.tied.grad), group=self.tie)
+            dist.all_reduce(local(self.tied.grad), group=self.tie)
         apart = {id(p) for p in self.apart}
         for param in self.parts.parameters():
             if param.grad is None or self.replicas == 1:
                 continue
             group = self.apart_group if id(param) in apart else self.dp_group
             if group is not None:   # a tensor-parallel shard's gradient is a DTensor: its local part is summed
-                dist.all_reduce(_local(param.grad), group=group)
+                dist.all_reduce(local(param.grad), group=group)
             param.grad /= self.replicas
 
 
@@ -281,12 +282,6 @@ def _tie_group(pipe: Pipeline, rank: int) -> Any:
 
 def _ends(pipe: Pipeline, first: int, last: int) -> list[list[int]]:
     return [[ranks[first], ranks[last]] for ranks in pipe.mesh.dims.groups("pp")]
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the tensor itself otherwise): what a process-group collective can take."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
