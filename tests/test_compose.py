@@ -68,3 +68,18 @@ def test_only_the_mesh_module_makes_process_groups_in_training_and_run():
                 if name in makers:
                     found.append(str(path.relative_to(package)))
     assert set(found) == {"training/parallel/mesh.py"}, found
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_replicated_or_sharded_tp_run_saves_every_parameter_whole(strategy, runs_root, no_leftovers):
+    """DDP(device_mesh=...) over TP unregisters the split weights after the first forward (torch's workaround): the
+    final state dict lost them. FSDP2's replicate keeps them: every parameter of the (linear) GPT-2, gathered whole."""
+    import torch
+    from labkit.tricks import compose
+    cfg = RunConfig(**{**BASE, "save_final": True}, world_size=4, tensor_parallel=2, strategy=strategy)
+    run = labkit.launch(cfg, runs_root=runs_root, echo=False, progress=False, timeout=120)
+    saved = torch.load(run.path / "final" / "rank0.pt")
+    whole = {name: p.shape for name, p in compose.gpt2_ready(cfg).named_parameters()}
+    assert {name: value.shape for name, value in saved.items() if name in whole} == whole
+    held = run.df[run.df.step == 0].param_bytes
+    assert (held < sum(4 * torch.Size(s).numel() for s in whole.values())).all()   # the TP slices, not the whole

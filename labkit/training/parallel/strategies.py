@@ -19,6 +19,10 @@
                (pipeline_zero1: 1/dp of the optimizer state; experts     + experts over each stage's data-
                split over each stage's data-parallel ranks)               parallel ranks (v3_layout.py)
 
+Composed (RunConfig.tensor_parallel, context_parallel; config.parallel_dims): the dims are applied in ORDER_OF_WORK,
+pipeline stages, TP, CP, then "ddp" (DDP over dp x cp; over a TP model FSDP2's replicate, which keeps the DTensor
+parameters) or "fsdp" (FSDP2 over dp x cp flattened), every group from one mesh (mesh.py).
+
 Tensor-parallel ranks of one group compute on the same samples: they read one batch (the batch of their
 data-parallel rank) and each is credited with its share of it in the records (`credit`), so that throughput
 summed over ranks counts every sample once.
@@ -185,9 +189,11 @@ def _data_parallel(model: nn.Module, config: RunConfig, ctx: RankContext, mesh: 
             wrapped = _ddp(model, config, ctx)
         elif dims.dp * dims.cp == 1:
             wrapped = Sharded(model, None)
-        else:   # DDP over a tensor-parallel model: torch localises the DTensor parameters (its TP+DDP path)
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            wrapped = DDP(model, device_mesh=mesh.sub("dp", "cp"), bucket_cap_mb=config.bucket_cap_mb)
+        else:   # replicated over a tensor-parallel model: FSDP2's replicate (DDP's data parallelism, its
+            # gradients all-reduced) keeps TP's DTensor parameters as they are; DDP(device_mesh=...) unregisters them
+            # after the first forward (torch's "temporary workaround"): state dicts, grad norms and held bytes lost
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+            wrapped = Sharded(model, replicate(model, mesh=mesh.sub("dp", "cp")))
         optimizer = make_optimizer(config, model.parameters()) if config.strategy == "ddp" else _zero1(config, model)
         return wrapped, optimizer
     root = None
