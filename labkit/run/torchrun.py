@@ -63,6 +63,8 @@ def run_under_torchrun(config: RunConfig, run_dir: Path | None, timeout: float) 
         end_together(rank, world, run_dir, ctx.device)
     except BaseException as exc:
         write_rank_error(run_dir, rank, ctx.step, exc, to_log=False)  # torchrun prints the traceback itself
+        if peer_gone(exc):   # a consequence: let the rank that caused it exit first (see peer_gone)
+            time.sleep(PEER_GONE_WAIT_S)
         if isinstance(exc, Exception):
             record_for_torchrun(exc)
         raise
@@ -71,6 +73,21 @@ def run_under_torchrun(config: RunConfig, run_dir: Path | None, timeout: float) 
         if config.tensorboard:
             write_tensorboard(run_dir, ranks=[rank])  # each rank converts its own records, after training
     return 0
+
+
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+PEER_GONE_WAIT_S = 3.0
+
+
+def peer_gone(exc: BaseException) -> bool:
+    """Whether `exc` is a rank's collective failing because a peer's connection closed: the peer failed first.
+
+    torchrun's agent names as "Root Cause" the failed rank whose error has the earliest timestamp, in whole seconds,
+    ties going to the lowest rank. A peer that raised closes its sockets as it leaves, and rank 0's collective then
+    fails within the same second: the summary blamed rank 0 (seen once in test_nodes under load). A rank whose
+    peer is gone waits PEER_GONE_WAIT_S before it exits: the agent sees the cause exit first, lists it, and stops the
+    others (SIGTERM) before their consequences count. labkit's own record of each rank is written before the wait."""
+    return any(text in str(exc) for text in PEER_GONE)
 
 
 def record_for_torchrun(exc: Exception) -> None:
