@@ -1,5 +1,5 @@
 """Lesson 25's capstone checker: the reference passes, each classic mistake is named in one line, a stub is "not
-written yet", on real gloo ranks (4: dp2 x tp2 and tp2 x cp2)."""
+written yet", on real gloo ranks (4: tp2 x cp2 and dp2 x tp2)."""
 import pytest
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard

@@ -4,7 +4,7 @@ one process.
     def build_mesh(dims): ...                  # a DeviceMesh over ("dp", "cp", "tp"), outermost first
     def which_batch(rank, dims): ...           # -> (data shard, sequence part) this rank reads
     def parallelize(model, dims, mesh): ...    # TP in each block, CP attention, FSDP2 over dp x cp; -> the model
-    report = check_parallelize(build_mesh, which_batch, parallelize)              # 4 ranks: dp2 x tp2, tp2 x cp2
+    report = check_parallelize(build_mesh, which_batch, parallelize)              # 4 ranks: tp2 x cp2, dp2 x tp2
     report = check_parallelize(build_mesh, which_batch, parallelize, full=True)   # 8 ranks: dp2 x cp2 x tp2
     build_mesh, which_batch, parallelize = report.use(COMPOSE_REFERENCE)          # yours once they pass
 
@@ -35,7 +35,7 @@ from .learner import run_checked
 from .report import Report
 
 TOLERANCE = 1e-4
-QUICK_LAYOUTS = (ParallelDims(dp=2, tp=2), ParallelDims(tp=2, cp=2))
+QUICK_LAYOUTS = (ParallelDims(tp=2, cp=2), ParallelDims(dp=2, tp=2))   # the CP mistakes show on the first
 FULL_LAYOUTS = (ParallelDims(dp=2, cp=2, tp=2),)
 
 
