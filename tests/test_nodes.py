@@ -173,3 +173,12 @@ def test_ranks_whose_records_are_elsewhere_are_named(tmp_path):
     for rank in (0, 1):
         (tmp_path / f"rank{rank}.jsonl").write_text("")
     assert RunDir(tmp_path).missing_records(4) == [2, 3] and RunDir(tmp_path).missing_records(2) == []
+
+
+def test_a_failure_caused_by_a_peer_is_stamped_after_the_peers_own():
+    """torchrun's Root Cause is the earliest whole second, ties to rank 0: the rank whose peer closed the connection
+    rounds up, the rank that raised rounds down, so the cause wins even within one second."""
+    from labkit.run.torchrun import error_second
+    consequence = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
+    assert error_second(ValueError("injected"), 100.4) == 100 < error_second(consequence, 100.6) == 101
+    assert error_second(consequence, 100.0) == 100   # an exact second stays itself

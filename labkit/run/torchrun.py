@@ -12,6 +12,7 @@ same command run again later continues the job too). The process group is built 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import sys
@@ -63,8 +64,6 @@ def run_under_torchrun(config: RunConfig, run_dir: Path | None, timeout: float) 
         end_together(rank, world, run_dir, ctx.device)
     except BaseException as exc:
         write_rank_error(run_dir, rank, ctx.step, exc, to_log=False)  # torchrun prints the traceback itself
-        if peer_gone(exc):   # a consequence: let the rank that caused it exit first (see peer_gone)
-            time.sleep(PEER_GONE_WAIT_S)
         if isinstance(exc, Exception):
             record_for_torchrun(exc)
         raise
@@ -76,17 +75,10 @@ def run_under_torchrun(config: RunConfig, run_dir: Path | None, timeout: float) 
 
 
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-PEER_GONE_WAIT_S = 3.0
 
 
 def peer_gone(exc: BaseException) -> bool:
-    """Whether `exc` is a rank's collective failing because a peer's connection closed: the peer failed first.
-
-    torchrun's agent names as "Root Cause" the failed rank whose error has the earliest timestamp, in whole seconds,
-    ties going to the lowest rank. A peer that raised closes its sockets as it leaves, and rank 0's collective then
-    fails within the same second: the summary blamed rank 0 (seen once in test_nodes under load). A rank whose
-    peer is gone waits PEER_GONE_WAIT_S before it exits: the agent sees the cause exit first, lists it, and stops the
-    others (SIGTERM) before their consequences count. labkit's own record of each rank is written before the wait."""
+    """Whether `exc` is a rank's collective failing because a peer's connection closed: the peer failed first."""
     return any(text in str(exc) for text in PEER_GONE)
 
 
@@ -105,11 +97,23 @@ def record_for_torchrun(exc: Exception) -> None:
         return
     data = {"message": {"message": f"{type(exc).__name__}: {exc}",
                         "extraInfo": {"py_callstack": "".join(traceback.format_exception(exc)),
-                                      "timestamp": str(int(time.time()))}}}
+                                      "timestamp": str(error_second(exc))}}}
     partial = f"{path}.{os.getpid()}.partial"
     with open(partial, "w") as f:
         json.dump(data, f)
     os.replace(partial, path)
+
+
+def error_second(exc: BaseException, now: float | None = None) -> int:
+    """The whole second torchrun's agent is told a rank failed at: rounded down, or up for a failure that a peer's
+    failure caused (peer_gone).
+
+    The agent names as "Root Cause" the failed rank with the earliest timestamp, in whole seconds, ties going to the
+    lowest rank. A rank that raises closes its sockets as it leaves, and its peers' collectives fail within the same
+    second: the summary blamed rank 0, whose peer had raised (seen once in test_nodes under load). The consequence
+    happened after the cause, so rounding its time up and the cause's down keeps that order in whole seconds."""
+    now = time.time() if now is None else now
+    return math.ceil(now) if peer_gone(exc) else math.floor(now)
 
 
 def elastic_store(rank: int, world: int, timeout: timedelta) -> Any:
