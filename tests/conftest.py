@@ -31,3 +31,19 @@ def no_leftovers():
     yield
     left = leftover_processes()
     assert not left, f"processes left alive: {[(p.pid, p.cmdline()) for p in left]}"
+
+
+def copy_without_model_counts(run_dir, dest):
+    """A copy of a run's meta and records as labkit wrote them before records held the model's counts (no model_*
+    fields): what an older run directory looks like. Returns `dest`."""
+    import json
+    from pathlib import Path
+    run_dir, dest = Path(run_dir), Path(dest)
+    dest.mkdir()
+    (dest / "meta.json").write_text((run_dir / "meta.json").read_text())
+    for records in sorted(run_dir.glob("rank*.jsonl")):
+        rows = [json.loads(line) for line in records.read_text().splitlines()]
+        (dest / records.name).write_text("".join(
+            json.dumps({k: v for k, v in r.items() if not k.startswith("model_")}) + "\n" for r in rows))
+    return dest
+

@@ -13,6 +13,8 @@ import labkit
 from labkit.measure import flops_per_token, matmul_flops, matmul_params, mfu, utilization
 from labkit.training.tasks import make_task
 
+from .conftest import copy_without_model_counts
+
 # tinylm "tiny" by hand (transformers' GPT-2: vocab V = 64, positions s = 32, width h = 64,
 # 2 blocks; the token embedding is tied to the output layer):
 #   wte V·h = 4,096 (the output layer's weight too), wpe s·h = 2,048 (a lookup)
@@ -104,19 +106,7 @@ def test_without_a_peak_the_parts_come_back_and_the_peak_is_said_missing(run):
 
 
 def test_a_run_recorded_before_the_counts_still_loads_and_says_what_is_missing(run, tmp_path):
-    old = tmp_path / "old-run"
-    old.mkdir()
-    (old / "meta.json").write_text((run.path / "meta.json").read_text())
-    for rank in range(2):
-        rows = [
-            json.loads(line) for line in (run.path / f"rank{rank}.jsonl").read_text().splitlines()
-        ]
-        (old / f"rank{rank}.jsonl").write_text(
-            "".join(
-                json.dumps({k: v for k, v in r.items() if not k.startswith("model_")}) + "\n"
-                for r in rows
-            )
-        )
+    old = copy_without_model_counts(run.path, tmp_path / "old-run")
     before = labkit.load_run(old)
     assert before.model() == {} and len(before.steps()) == 4
     got = before.mfu(peak_flops=PEAK)

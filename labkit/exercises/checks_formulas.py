@@ -13,6 +13,7 @@ wrong point, the learner's value and the formula's.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 from .report import Report
@@ -24,7 +25,7 @@ def close(got: Any, want: float, rel: float = REL) -> bool:
     """Whether `got` is a number within `rel` of `want` (False for a value that is no number)."""
     try:
         return abs(float(got) - want) <= rel * max(abs(want), 1e-12)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):   # not a number, or an int too large for a float
         return False
 
 
@@ -72,6 +73,14 @@ def judge_points(
         part=part,
     )
     return False
+
+
+def said_number(value: Any) -> str:
+    """A learner's number as a message shows it: 1,234,567 or 1.23457e+15; repr() of what is no finite number."""
+    try:
+        return f"{float(value):,.6g}" if math.isfinite(float(value)) else repr(value)
+    except (TypeError, ValueError, OverflowError):
+        return repr(value)
 
 
 def _num(value: Any) -> str:

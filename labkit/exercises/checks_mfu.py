@@ -43,6 +43,7 @@ from ..measure.mfu import flops_per_token, matmul_flops, matmul_params, utilizat
 from ..records import Run
 from ..run import launch
 from .learner import learner_part, run_checked
+from .checks_formulas import close
 from .report import Report
 
 REL = 1e-4
@@ -151,13 +152,6 @@ def _slips(m: dict, tps: float, peak: float, ranks: int) -> dict[str, float]:
     }
 
 
-def _close(got: Any, want: float) -> bool:
-    try:
-        return abs(float(got) - want) <= REL * abs(want)
-    except (TypeError, ValueError):
-        return False
-
-
 def _drive(ctx: Any, fn: Callable, name: str, cases: list[tuple]) -> list[Any]:
     """One rank: the learner's function on every case (it is pure: every rank must say the same)."""
     with learner_part(ctx, name):
@@ -217,7 +211,7 @@ def check_mfu(
 
 def _formula(report: Report, got: list[Any], name: str) -> bool:
     want = [_want(*case[1:]) for case in CASES]
-    wrong = [i for i, (g, w) in enumerate(zip(got, want)) if not _close(g, w)]
+    wrong = [i for i, (g, w) in enumerate(zip(got, want)) if not close(g, w, REL)]
     if not wrong:
         report.add(
             "formula",
@@ -227,7 +221,7 @@ def _formula(report: Report, got: list[Any], name: str) -> bool:
         )
         return True
     for why in _slips(*CASES[0][1:]):
-        if all(_close(g, _slips(*case[1:])[why]) for g, case in zip(got, CASES)):
+        if all(close(g, _slips(*case[1:])[why], REL) for g, case in zip(got, CASES)):
             report.add("formula", "fail", why, part=name)
             return False
     i = wrong[0]
@@ -260,7 +254,7 @@ def _measured(report: Report, got: Any, labkit: dict, run: Run, name: str) -> No
         "tokens/s over "
         f"{labkit['ranks']} x {labkit['peak_flops'] / 1e9:.3g} GFLOP/s"
     )
-    if _close(got, want):
+    if close(got, want, REL):
         report.measured["mfu"] = float(got)
         report.add(
             "measured",

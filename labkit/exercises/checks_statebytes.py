@@ -26,7 +26,6 @@ K = 12 bytes of optimizer state per parameter (an fp32 master copy, momentum and
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable
 
 import torch
@@ -36,10 +35,10 @@ from ..memory import model_state_bytes, state_breakdown
 from ..training.tasks import make_task
 from .holdings import state_holdings
 from .learner import learner_part, run_checked
+from .checks_formulas import close, said_number
 from .report import Report
 from .speeds import tinylm_config
 
-REL = 1e-6
 PSI, N_GPUS, STAGES, TPS = 70e9, 1024, (0, 1, 2, 3), (1, 8)
 TOY = {"param_bytes": 4, "grad_bytes": 4, "k": 8}   # fp32 parameters and gradients, AdamW's two fp32 moments
 WORLD = 2
@@ -101,12 +100,6 @@ def _slips() -> dict[str, Callable[[int, int], float]]:
     }
 
 
-def _close(a: Any, b: float) -> bool:
-    try:
-        return abs(float(a) - b) <= REL * max(abs(b), 1e-300)
-    except (TypeError, ValueError, OverflowError):
-        return False
-
 
 def _held(model: nn.Module, optimizer: Any) -> dict[str, int]:
     """Bytes this rank holds: parameters, gradients, optimizer state (holdings.py's walk), and of that state the
@@ -166,30 +159,24 @@ def _formula(report: Report, got: list[Any], name: str) -> bool:
     points = _grid()
     want = [_want(*p) for p in points]
     report.measured["70B"] = {f"stage {s}, t={t}": g for (s, t), g in zip(points, got)}
-    wrong = [i for i, (g, w) in enumerate(zip(got, want)) if not _close(g, w)]
+    wrong = [i for i, (g, w) in enumerate(zip(got, want)) if not close(g, w)]
     if not wrong:
         report.add("formula", "pass", f"70B parameters on {N_GPUS} GPUs, stages 0-3, t = 1 and 8: every value "
                                       f"is labkit.memory's (stage 0, t=1: {want[0] / 1e9:,.0f} GB; stage 3: "
                                       f"{want[3] / 1e9:.2f} GB)")
         return True
     for why, slip in _slips().items():
-        if all(_close(g, slip(*p)) for g, p in zip(got, points)):
+        if all(close(g, slip(*p)) for g, p in zip(got, points)):
             report.add("formula", "fail", f"70B on {N_GPUS} GPUs: {why}", part=name)
             return False
     i = wrong[0]
     stage, tp = points[i]
-    said = next((why for why, slip in _slips().items() if _close(got[i], slip(stage, tp))), None)
-    report.add("formula", "fail", f"70B on {N_GPUS} GPUs at stage {stage}, t={tp}: your {_said(got[i])} bytes, "
+    said = next((why for why, slip in _slips().items() if close(got[i], slip(stage, tp))), None)
+    report.add("formula", "fail", f"70B on {N_GPUS} GPUs at stage {stage}, t={tp}: your {said_number(got[i])} bytes, "
                                   f"the formula's {want[i]:.6g} ({len(wrong)} of {len(points)} points wrong)"
                                   + (f"; there it is {said}" if said else ""), part=name)
     return False
 
-
-def _said(value: Any) -> str:
-    try:
-        return f"{float(value):,.6g}" if math.isfinite(float(value)) else repr(value)
-    except (TypeError, ValueError, OverflowError):
-        return repr(value)
 
 
 def _toy(report: Report, outcomes: list[dict], name: str) -> None:
@@ -203,15 +190,15 @@ def _toy(report: Report, outcomes: list[dict], name: str) -> None:
         got = first["toy"][stage]
         if stage == 0 and len(set(per_rank)) > 1:
             raise AssertionError(f"DDP ranks held different bytes: {per_rank}")   # labkit's own measurement
-        if not _close(got, measured):
-            ignored = _close(got, first["mixed"][stage])
+        if not close(got, measured):
+            ignored = close(got, first["mixed"][stage])
             why = ("param_bytes, grad_bytes and k were ignored: the toy runs in fp32 with AdamW (4 + 4 + 8 bytes "
                    "per parameter), and your function gave the mixed-precision number" if ignored else
                    f"{_ratio(got, measured)} what the ranks held "
                    f"({held[0]['params']:,} B of parameters, {held[0]['grads']:,} of gradients, "
                    f"{held[0]['optimizer'] - held[0]['counters']:,} of Adam's moments on rank 0)")
             report.add("toy", "fail", f"the tiny GPT-2 (Ψ = {psi:,}) at stage {stage} on {WORLD} ranks, "
-                                      f"fp32 (param_bytes=4, grad_bytes=4, k=8): your {_said(got)} bytes; {why}",
+                                      f"fp32 (param_bytes=4, grad_bytes=4, k=8): your {said_number(got)} bytes; {why}",
                        part=name)
             return
         report.add("toy", "pass", f"the tiny GPT-2 (Ψ = {psi:,}), fp32 AdamW, stage {stage} on {WORLD} gloo ranks: "

@@ -32,7 +32,6 @@ with full recomputation the layer's input only, s·b·h values (labkit.memory.ac
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable
 
 import torch
@@ -45,9 +44,10 @@ from ..training.tasks import make_task
 from ..tricks.parallel import (GPT2_ON_CPU, SavedByBlock, WIRE_UNMEASURED, lesson_config, received_bytes,
                                written_bytes)
 from .learner import learner_part, run_checked
+from .checks_formulas import close, said_number
 from .report import Report
 
-REL, TOY_REL, WIRE_REL = 1e-6, 0.01, 0.03   # the wire: gloo's message headers on top of the ring model
+TOY_REL, WIRE_REL = 0.01, 0.03   # the wire: gloo's message headers on top of the ring model
 GPT3 = {"seq": 2048, "batch": 1, "hidden": 12288, "heads": 96}
 TPS = (1, 2, 8)
 SENT_POINTS = [(t, vb) for t in TPS for vb in (2, 4)]   # bf16 and fp32 values: bytes told from values
@@ -136,18 +136,6 @@ def _kept_slips() -> dict[str, Callable[[int, bool], float]]:
     }
 
 
-def _close(a: Any, b: float, rel: float = REL) -> bool:
-    try:
-        return abs(float(a) - b) <= rel * max(abs(b), 1e-300)
-    except (TypeError, ValueError, OverflowError):
-        return False
-
-
-def _said(value: Any) -> str:
-    try:
-        return f"{float(value):,.6g}" if math.isfinite(float(value)) else repr(value)
-    except (TypeError, ValueError, OverflowError):
-        return repr(value)
 
 
 # --- the ranks' side: the tiny GPT-2 split over 2 ranks --------------------------------------------------------
@@ -241,17 +229,17 @@ def judge_kept(report: Report, got: list[Any], name: str) -> bool:
 
 def _judge(report: Report, check: str, got: list[Any], want: list[float], points: list[tuple], slips: dict,
            name: str, where: Callable, passed: str) -> bool:
-    wrong = [i for i, (g, w) in enumerate(zip(got, want)) if not _close(g, w)]
+    wrong = [i for i, (g, w) in enumerate(zip(got, want)) if not close(g, w)]
     if not wrong:
         report.add(check, "pass", passed)
         return True
     for why, slip in slips.items():
-        if all(_close(g, slip(*p)) for g, p in zip(got, points)):
+        if all(close(g, slip(*p)) for g, p in zip(got, points)):
             report.add(check, "fail", f"GPT-3's layer: {why}", part=name)
             return False
     i = wrong[0]
-    said = next((why for why, slip in slips.items() if _close(got[i], slip(*points[i]))), None)
-    report.add(check, "fail", f"GPT-3's layer at {where(*points[i])}: your {_said(got[i])} bytes, the formula's "
+    said = next((why for why, slip in slips.items() if close(got[i], slip(*points[i]))), None)
+    report.add(check, "fail", f"GPT-3's layer at {where(*points[i])}: your {said_number(got[i])} bytes, the formula's "
                               f"{want[i]:.6g} ({len(wrong)} of {len(points)} points wrong)"
                               + (f"; there it is {said}" if said else ""), part=name)
     return False
@@ -263,11 +251,11 @@ def _sent_toy(report: Report, outcomes: list[dict], name: str) -> None:
     wire, how = (ring, "the ring model's for the bytes handed to them") if WIRE_UNMEASURED else \
         (max(o["measured"]["none"]["written"] for o in outcomes), "written to the sockets")
     got = outcomes[0]["sent_toy"]
-    if out["kinds"] != {"all_reduce": 4 * out["blocks"]} or not _close(ring, wire, WIRE_REL):
+    if out["kinds"] != {"all_reduce": 4 * out["blocks"]} or not close(ring, wire, WIRE_REL):
         raise AssertionError(f"labkit's own measurement: {out['kinds']}, {wire} B vs ring {ring}")
-    if not _close(got, wire, WIRE_REL):
+    if not close(got, wire, WIRE_REL):
         report.add("all-reduce bytes", "fail", f"the tiny GPT-2 on {WORLD} ranks, fp32 (value_bytes=4): your "
-                                               f"{_said(got)} bytes per block; each rank sent {wire:,.0f} ({how})",
+                                               f"{said_number(got)} bytes per block; each rank sent {wire:,.0f} ({how})",
                    part=name)
         return
     report.add("all-reduce bytes", "pass", f"the tiny GPT-2 on {WORLD} gloo ranks: 4 all-reduces per block, "
@@ -280,9 +268,9 @@ def _kept_toy(report: Report, outcomes: list[dict], name: str) -> None:
         kept = max(o["measured"]["full" if recompute else "none"]["kept"] for o in outcomes)
         got = outcomes[0]["kept_toy"][index]
         way = "with recomputation" if recompute else "without recomputation"
-        if not _close(got, kept, TOY_REL):
+        if not close(got, kept, TOY_REL):
             fix = ("" if recompute else " (the toy: whole=4, split=26, fp32, no dropout masks, no s x s scores)")
-            report.add("activation bytes", "fail", f"the tiny GPT-2 on {WORLD} ranks {way}: your {_said(got)} "
+            report.add("activation bytes", "fail", f"the tiny GPT-2 on {WORLD} ranks {way}: your {said_number(got)} "
                                                    f"bytes per block, each rank kept {kept:,.0f}{fix}", part=name)
             return
         rest = "" if recompute else ": what the model leaves out, LayerNorm statistics and log-sum-exp"
