@@ -84,10 +84,6 @@ class ParallelDims:
         """Ranks in all: dp * pp * cp * tp."""
         return self.dp * self.pp * self.cp * self.tp
 
-    def degrees(self) -> dict[str, int]:
-        """{dimension: degree} in ORDER (ep is inside dp, not a dimension of its own)."""
-        return {name: getattr(self, name) for name in ORDER}
-
     def used(self) -> tuple[str, ...]:
         """The dimensions with more than one rank, in ORDER: ("dp", "tp") for ParallelDims(dp=2, tp=2)."""
         return tuple(name for name in ORDER if getattr(self, name) > 1)

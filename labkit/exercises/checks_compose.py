@@ -72,6 +72,7 @@ def check_parallelize(build_mesh: Any, which_batch: Any, parallelize: Any, *, fu
                           runs_root=runs_root)
         if got is None:
             return report
+        # `&`, not `and`: each piece is judged (the ranks ran the reference mesh in place of a wrong one)
         if not (_mesh(report, got, dims) & _order(report, got) & _gradients(report, got, dims)):
             return report
     report.add("runs", "pass", f"every rank finished: {', '.join(d.describe() for d in layouts)}")

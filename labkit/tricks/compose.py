@@ -54,23 +54,20 @@ def flat(mesh: Any, *names: str) -> Any:
     return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
 
 
-def held_formula(config: RunConfig, model: nn.Module | None = None) -> dict[str, int]:
+def held_formula(config: RunConfig, model: nn.Module | None = None) -> int:
     """Bytes of fp32 parameters one rank holds under config's dims, FSDP2 over dp x cp and TP inside each block,
     worked out parameter by parameter: a block matrix is cut into tp slices along its split dimension, then every
-    tensor into dp x cp row shards, each padded to ceil(rows / n) rows as FSDP2 pads. {"params": bytes, "rows": the
-    same before padding}."""
+    tensor into dp x cp row shards, each padded to ceil(rows / n) rows as FSDP2 pads."""
     dims = config.parallel_dims
     model = model if model is not None else gpt2_ready(config)
-    n, padded, exact = dims.dp * dims.cp, 0, 0
+    n, held = dims.dp * dims.cp, 0
     for name, param in model.named_parameters():
         shape = list(param.shape)
         split = _tp_dim(name)
         if split is not None and dims.tp > 1:
             shape[split] //= dims.tp
-        rest = math.prod(shape[1:])
-        padded += math.ceil(shape[0] / n) * rest * 4
-        exact += shape[0] * rest * 4 // n
-    return {"params": padded, "rows": exact}
+        held += math.ceil(shape[0] / n) * math.prod(shape[1:]) * 4
+    return held
 
 
 def _tp_dim(name: str) -> int | None:

@@ -87,10 +87,6 @@ class Mesh:
         sub = self.sub(*names) if any(getattr(self.dims, n) > 1 for n in names) else None
         return None if sub is None else sub.get_group()
 
-    def spans_world(self, *names: str) -> bool:
-        """Whether the ranks along `names` are all the ranks (then the default group serves)."""
-        return all(getattr(self.dims, n) == 1 for n in ORDER if n not in names)
-
     def groups_of(self, partition: list[list[int]]) -> Any:
         """Groups that are not a mesh dimension (a pipeline's first and last stages, the experts' ranks): every rank
         creates every group of `partition`, in its order; returns this rank's (None when it is in none). Made once
